@@ -1,0 +1,71 @@
+"""The one place where osvl starts or joins a Ray cluster.
+
+Why a wrapper around ``ray.init``: on Linux a plain ``ray.init()`` binds its GCS,
+raylet, object manager and dashboard agent on the machine's network address, so a
+laptop demo or a CI run would expose an unauthenticated-by-default cluster to the
+LAN. Setting ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` *before* Ray starts and
+pinning the node IP to 127.0.0.1 keeps every socket on loopback (a test checks
+every listening socket of every Ray process). Ray >= 2.60 also enables token
+authentication by default; we keep it on and let Ray generate the token.
+
+Ports: several local clusters may run side by side (parallel test sessions,
+a demo next to a test run), so the dashboard and Serve ports are picked free
+instead of Ray's fixed defaults (8265, 8000).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from typing import Any
+
+LOOPBACK = "127.0.0.1"
+
+
+def loopback_env() -> dict[str, str]:
+    """Environment that keeps Ray on loopback; also exported to ``ray start`` by the Makefile."""
+    return {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0"}
+
+
+def free_port() -> int:
+    """An unused TCP port on loopback (racy by nature, good enough for local clusters)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((LOOPBACK, 0))
+        return s.getsockname()[1]
+
+
+def init_ray(address: str | None = None, num_cpus: int | None = None, *,
+             include_dashboard: bool = False, runtime_env: dict[str, Any] | None = None,
+             **kwargs: Any) -> Any:
+    """Join ``address`` (or ``$RAY_ADDRESS``) if given, else start a loopback-only local cluster.
+
+    Returns the ``RayContext``. Calling it when Ray is already initialised returns
+    the existing context, so library code may call it defensively.
+    """
+    for key, value in loopback_env().items():
+        os.environ.setdefault(key, value)
+    import ray
+
+    if ray.is_initialized():
+        return ray.get_runtime_context()
+    address = address or os.environ.get("RAY_ADDRESS") or None
+    common: dict[str, Any] = {"runtime_env": runtime_env, "log_to_driver": True, **kwargs}
+    if address:
+        return ray.init(address=address, **common)
+    return ray.init(
+        num_cpus=num_cpus,
+        include_dashboard=include_dashboard,
+        dashboard_host=LOOPBACK,
+        dashboard_port=free_port() if include_dashboard else None,
+        _node_ip_address=LOOPBACK,
+        **common,
+    )
+
+
+def start_serve(http_port: int | None = None) -> int:
+    """Start Ray Serve's HTTP proxy on loopback; returns the port it listens on."""
+    from ray import serve
+
+    port = http_port or free_port()
+    serve.start(http_options={"host": LOOPBACK, "port": port})
+    return port

@@ -1,0 +1,375 @@
+"""Typed job configs: dataclasses, YAML profiles, dotted ``--key=value`` overrides.
+
+One config dataclass per job (``jobs/*.py``). A job resolves its config in three
+layers, later wins: the dataclass defaults, a YAML profile
+(``configs/<job>/<profile>.yaml``, chosen with ``--profile=NAME`` or a path), and
+dotted command-line overrides (``--rl.group_size=8``; lists are comma-separated).
+
+Why dataclasses and not a config framework: the whole contract fits in this file,
+every field is documented where it is declared (``opt(default, "doc")``), and an
+unknown key or a wrong type fails loudly *before* any cluster starts.
+
+Run-root convention (ARCHITECTURE.md): every job writes under
+``<run_root>/<job>/<config hash>/`` and saves its resolved config there as
+``config.yaml``, so an identical rerun finds and reuses what an earlier one made.
+The hash skips fields declared with ``opt(..., hashed=False)`` (paths of where to
+write, worker counts) because they do not change what is produced.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import hashlib
+import json
+import os
+import sys
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal, TypeVar, get_args, get_origin, get_type_hints
+
+from osvl.errors import ConfigError
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+CONFIG_DIR = REPO_ROOT / "configs"
+DEFAULT_RUN_ROOT = os.environ.get("OSVL_RUN_ROOT", str(REPO_ROOT / "runs"))
+
+T = TypeVar("T")
+
+
+def opt(default: Any, doc: str, *, hashed: bool = True) -> Any:
+    """Declare a config field with its documentation (shown by ``--help``).
+
+    Mutable defaults (lists, dicts, nested configs) are wrapped in a factory so
+    that two config objects never share one list.
+    """
+    meta = {"doc": doc, "hashed": hashed}
+    if dataclasses.is_dataclass(default) and isinstance(default, type):
+        return dataclasses.field(default_factory=default, metadata=meta)
+    if isinstance(default, list | dict) or dataclasses.is_dataclass(default):
+        import copy
+
+        return dataclasses.field(default_factory=lambda: copy.deepcopy(default), metadata=meta)
+    return dataclasses.field(default=default, metadata=meta)
+
+
+@dataclasses.dataclass
+class RunConfig:
+    """Where a job writes and how it seeds itself; embedded in every job config as ``run``."""
+
+    root: str = opt(DEFAULT_RUN_ROOT, "Run root: outputs go to <root>/<job>/<config hash>/ "
+                    "(env OSVL_RUN_ROOT sets the default).", hashed=False)
+    seed: int = opt(0, "Global random seed (Python, NumPy, torch, and per-shard seeds derive from it).")
+    name: str = opt("", "Optional run name; when set it replaces the config hash as the folder name.",
+                    hashed=False)
+
+
+# ---------------------------------------------------------------------------
+# type checking and coercion
+
+
+def _type_name(tp: Any) -> str:
+    origin = get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in get_args(tp))
+    if origin in (typing.Union, types.UnionType):
+        return " | ".join(_type_name(a) for a in get_args(tp))
+    if origin is list:
+        return f"list[{_type_name(get_args(tp)[0])}]"
+    if origin is dict:
+        k, v = get_args(tp)
+        return f"dict[{_type_name(k)}, {_type_name(v)}]"
+    if tp is type(None):
+        return "None"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _check(value: Any, tp: Any, key: str) -> Any:
+    """Return ``value`` converted to ``tp`` where that is lossless (int -> float), else raise."""
+    origin = get_origin(tp)
+    if tp is Any:
+        return value
+    if origin is Literal:
+        if value in get_args(tp):
+            return value
+        raise ConfigError(f"{key}: {value!r} is not {_type_name(tp)}")
+    if origin in (typing.Union, types.UnionType):
+        errors = []
+        for arg in get_args(tp):
+            try:
+                return _check(value, arg, key)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(f"{key}: {value!r} is not {_type_name(tp)}")
+    if tp is type(None):
+        if value is None:
+            return None
+        raise ConfigError(f"{key}: expected None, got {value!r}")
+    if origin is list:
+        if not isinstance(value, list | tuple):
+            raise ConfigError(f"{key}: expected {_type_name(tp)}, got {type(value).__name__} {value!r}")
+        (item_tp,) = get_args(tp)
+        return [_check(v, item_tp, f"{key}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected {_type_name(tp)}, got {type(value).__name__}")
+        k_tp, v_tp = get_args(tp)
+        return {_check(k, k_tp, key): _check(v, v_tp, f"{key}.{k}") for k, v in value.items()}
+    if dataclasses.is_dataclass(tp):
+        if dataclasses.is_dataclass(value) and type(value) is tp:
+            return value
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a mapping for section {tp.__name__}, got {value!r}")
+        return from_dict(tp, value, prefix=key + ".")
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{key}: expected bool, got {type(value).__name__} {value!r}")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise ConfigError(f"{key}: expected int, got {type(value).__name__} {value!r}")
+    if tp is float:
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value)
+        raise ConfigError(f"{key}: expected float, got {type(value).__name__} {value!r}")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise ConfigError(f"{key}: expected str, got {type(value).__name__} {value!r}")
+    raise ConfigError(f"{key}: unsupported field type {tp!r}")
+
+
+def _from_text(text: str, tp: Any, key: str) -> Any:
+    """Parse a command-line string into ``tp`` (then ``_check`` validates it)."""
+    origin = get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        if text.lower() in ("none", "null") and type(None) in get_args(tp):
+            return None
+        for arg in get_args(tp):
+            if arg is type(None):
+                continue
+            try:
+                return _check(_from_text(text, arg, key), arg, key)
+            except ConfigError:
+                continue
+        raise ConfigError(f"{key}: cannot read {text!r} as {_type_name(tp)}")
+    if origin is list:
+        (item_tp,) = get_args(tp)
+        items = [t.strip() for t in text.split(",")] if text.strip() else []
+        return [_from_text(t, item_tp, f"{key}[{i}]") for i, t in enumerate(items)]
+    if origin is Literal:
+        for arg in get_args(tp):
+            if str(arg) == text:
+                return arg
+        raise ConfigError(f"{key}: {text!r} is not {_type_name(tp)}")
+    if tp is bool:
+        low = text.lower()
+        if low in ("true", "1", "yes", "on"):
+            return True
+        if low in ("false", "0", "no", "off"):
+            return False
+        raise ConfigError(f"{key}: expected bool (true/false), got {text!r}")
+    if tp is int:
+        try:
+            return int(text)
+        except ValueError:
+            raise ConfigError(f"{key}: expected int, got {text!r}") from None
+    if tp is float:
+        try:
+            return float(text)
+        except ValueError:
+            raise ConfigError(f"{key}: expected float, got {text!r}") from None
+    if tp is str:
+        return text
+    if origin is dict or dataclasses.is_dataclass(tp):
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError:
+            raise ConfigError(f"{key}: expected a JSON object, got {text!r}") from None
+    raise ConfigError(f"{key}: unsupported field type {tp!r}")
+
+
+def _fields(cls: type) -> dict[str, tuple[dataclasses.Field, Any]]:
+    hints = get_type_hints(cls)
+    return {f.name: (f, hints[f.name]) for f in dataclasses.fields(cls)}
+
+
+def _unknown(key: str, name: str, valid: list[str]) -> ConfigError:
+    close = difflib.get_close_matches(name, valid, n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return ConfigError(f"unknown config key {key!r}{hint}; valid keys here: {', '.join(valid)}")
+
+
+# ---------------------------------------------------------------------------
+# public API
+
+
+def from_dict(cls: type[T], data: dict[str, Any], prefix: str = "") -> T:
+    """Build ``cls`` from a (possibly partial) nested mapping; missing keys keep defaults."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{prefix or 'config'}: expected a mapping, got {data!r}")
+    fields = _fields(cls)
+    kwargs = {}
+    for name, value in data.items():
+        if name not in fields:
+            raise _unknown(prefix + str(name), str(name), sorted(fields))
+        f, tp = fields[name]
+        if dataclasses.is_dataclass(tp) and isinstance(value, dict):
+            base = f.default_factory() if f.default_factory is not dataclasses.MISSING else tp()
+            kwargs[name] = merge(base, value, prefix=prefix + name + ".")
+        else:
+            kwargs[name] = _check(value, tp, prefix + name)
+    return cls(**kwargs)
+
+
+def merge(cfg: T, data: dict[str, Any], prefix: str = "") -> T:
+    """Return a copy of ``cfg`` with the (partial, nested) mapping ``data`` applied."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{prefix or 'config'}: expected a mapping, got {data!r}")
+    fields = _fields(type(cfg))
+    changes = {}
+    for name, value in data.items():
+        if name not in fields:
+            raise _unknown(prefix + str(name), str(name), sorted(fields))
+        _, tp = fields[name]
+        if dataclasses.is_dataclass(tp) and isinstance(value, dict):
+            changes[name] = merge(getattr(cfg, name), value, prefix=prefix + name + ".")
+        else:
+            changes[name] = _check(value, tp, prefix + name)
+    return dataclasses.replace(cfg, **changes)
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    """Plain nested dict of a config (YAML/JSON-serialisable)."""
+    return dataclasses.asdict(cfg)
+
+
+def apply_override(cfg: T, dotted: str, text: str) -> T:
+    """Apply one ``dotted.key=text`` override, parsing ``text`` by the field's type."""
+    parts = dotted.split(".")
+    cls = type(cfg)
+    tp: Any = cls
+    for i, part in enumerate(parts):
+        if not dataclasses.is_dataclass(tp):
+            raise ConfigError(f"{'.'.join(parts[:i])} is not a section; cannot set {dotted!r}")
+        fields = _fields(tp)
+        if part not in fields:
+            raise _unknown(dotted, part, sorted(fields))
+        tp = fields[part][1]
+    value = _from_text(text, tp, dotted)
+    nested: Any = value
+    for part in reversed(parts):
+        nested = {part: nested}
+    return merge(cfg, nested)
+
+
+def load_yaml(path: str | Path) -> dict[str, Any]:
+    import yaml
+
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: top level must be a mapping, got {type(data).__name__}")
+    return data
+
+
+def profile_path(job: str, profile: str) -> Path:
+    """A profile is a name under ``configs/<job>/`` or a path to a YAML file."""
+    p = Path(profile)
+    if p.suffix in (".yaml", ".yml"):
+        return p
+    path = CONFIG_DIR / job / f"{profile}.yaml"
+    if not path.is_file():
+        names = sorted(x.stem for x in (CONFIG_DIR / job).glob("*.yaml"))
+        raise ConfigError(f"no profile {profile!r} for job {job!r}; available: {', '.join(names) or 'none'}")
+    return path
+
+
+def format_help(cls: type, job: str = "", prefix: str = "") -> str:
+    """Every field with its type, default and doc: what ``--help`` prints."""
+    lines = []
+    if not prefix:
+        lines.append(f"usage: python jobs/{job}.py [--profile=NAME|FILE.yaml] [--section.key=value ...]")
+        profiles = sorted(x.stem for x in (CONFIG_DIR / job).glob("*.yaml")) if job else []
+        if profiles:
+            lines.append(f"profiles: {', '.join(profiles)} (default: demo)")
+        lines.append("")
+    for name, (f, tp) in _fields(cls).items():
+        key = prefix + name
+        doc = f.metadata.get("doc", "")
+        if dataclasses.is_dataclass(tp):
+            lines.append(f"[{key}] {doc}")
+            lines.append(format_help(tp, prefix=key + "."))
+            continue
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        lines.append(f"  --{key}={json.dumps(default)}  ({_type_name(tp)})\n      {doc}")
+    return "\n".join(lines)
+
+
+def _hashed_dict(cfg: Any) -> dict[str, Any]:
+    out = {}
+    for name, (f, tp) in _fields(type(cfg)).items():
+        if not f.metadata.get("hashed", True):
+            continue
+        value = getattr(cfg, name)
+        out[name] = _hashed_dict(value) if dataclasses.is_dataclass(tp) else value
+    return out
+
+
+def config_hash(cfg: Any) -> str:
+    """12-hex digest of the fields that change what a job produces."""
+    blob = json.dumps(_hashed_dict(cfg), sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+
+def run_dir(cfg: Any, job: str) -> Path:
+    """``<run.root>/<job>/<name or config hash>``; created, with ``config.yaml`` saved in it."""
+    import yaml
+
+    run = cfg.run
+    path = Path(run.root) / job / (run.name or config_hash(cfg))
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    return path
+
+
+def parse_args(cls: type[T], job: str, argv: list[str] | None = None,
+               default_profile: str = "demo") -> T:
+    """Resolve a job's config from defaults, a profile and overrides.
+
+    ``--help`` prints every field and exits 0; anything malformed raises ConfigError.
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--help" in argv or "-h" in argv:
+        print(format_help(cls, job))
+        raise SystemExit(0)
+    profile = default_profile
+    overrides: list[tuple[str, str]] = []
+    for arg in argv:
+        if not arg.startswith("--") or "=" not in arg:
+            raise ConfigError(f"arguments look like --section.key=value, got {arg!r}")
+        key, _, value = arg[2:].partition("=")
+        if key == "profile":
+            profile = value
+        else:
+            overrides.append((key, value))
+    cfg = cls()
+    if profile:
+        cfg = merge(cfg, load_yaml(profile_path(job, profile)))
+    for key, value in overrides:
+        cfg = apply_override(cfg, key, value)
+    return cfg
+
+
+def dump(cfg: Any) -> str:
+    """The resolved config as YAML, printed by every job at start."""
+    import yaml
+
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False)
