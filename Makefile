@@ -23,16 +23,17 @@ export RAY_USAGE_STATS_ENABLED := 0
 
 setup: $(STAMP)
 
+# basicsr's metadata pulls torchvision and opencv-python, which break this stack: it is
+# installed without dependencies and osvl imports only its architecture module.
+# DeepSpeed JIT-compiles its CPU shared-memory comm op (~60 s) on first use: done here,
+# not inside a timed test.
+
 $(STAMP):
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@rm -f $(VENV)/.osvl-deps-*
 	@echo "== installing dependencies (deps hash $(DEPS_HASH))"
 	$(PIP) install --quiet $(TORCH_SPEC) -c constraints.txt -e '.[dev]'
-	# basicsr's metadata pulls torchvision and opencv-python, which break this stack:
-	# install it without dependencies and import only its architecture module.
 	$(PIP) install --quiet --no-deps -c constraints.txt basicsr==1.4.2
-	# DeepSpeed JIT-compiles its CPU shared-memory comm op (~60 s) on first use; do it now,
-	# not inside a timed test.
 	$(PY) -c "from deepspeed.accelerator import get_accelerator as g; g().create_op_builder('ShareMemCommBuilder').load()" 2>&1 | tail -1
 	@touch $@
 
