@@ -1,0 +1,106 @@
+"""Every Prometheus metric osvl exports, declared in one place.
+
+Metrics go through Ray's metric API (``ray.util.metrics``) so that Ray's per-node
+metrics agent exports them next to Ray's own; Prometheus scrapes the agents and
+``dashboards/`` reads them. Ray prefixes every user metric with ``ray_`` on export
+and adds ``_total`` to counters, so ``osvl_tool_requests`` is scraped as
+``ray_osvl_tool_requests_total``.
+
+Why a table of specs and lazy objects instead of module-level ``Counter(...)``:
+``import osvl.metrics`` must not start Ray or touch a Ray worker (it is imported
+by tools, clients and jobs that may never run in a cluster), and Ray wants each
+metric object created once per process. ``metric(SPEC)`` builds the Ray object on
+first use in a process and caches it. Code that records does so through the
+spec, so a typo in a metric name is an ``AttributeError`` at import time, not a
+silently missing series.
+
+Naming: ``osvl_<area>_<what>_<unit>`` (Prometheus conventions: base units,
+seconds not milliseconds, counters without ``_total``). Areas: ``tool`` (the
+tool API, serve/ and osvl.tools.client); training (``osvl_train_*``) and rollout
+(``osvl_rollout_*``) metrics are added below their own heading when those parts
+land, with the same ``_define`` call.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+KINDS = ("counter", "gauge", "histogram")
+
+
+@dataclass(frozen=True)
+class MetricSpec:
+    name: str
+    kind: str
+    description: str
+    tag_keys: tuple[str, ...] = ()
+    boundaries: tuple[float, ...] = ()  # histogram bucket upper bounds
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"{self.name}: unknown metric kind {self.kind!r}")
+        if not self.name.startswith("osvl_"):
+            raise ValueError(f"{self.name}: osvl metric names start with 'osvl_'")
+        if self.kind == "histogram" and not self.boundaries:
+            raise ValueError(f"{self.name}: a histogram needs bucket boundaries")
+
+
+SPECS: dict[str, MetricSpec] = {}
+
+
+def _define(name: str, kind: str, description: str, tag_keys: tuple[str, ...] = (),
+            boundaries: tuple[float, ...] = ()) -> MetricSpec:
+    if name in SPECS:
+        raise ValueError(f"metric {name} defined twice")
+    spec = MetricSpec(name, kind, description, tag_keys, boundaries)
+    SPECS[name] = spec
+    return spec
+
+
+# ---------------------------------------------------------------------------
+# tools (serve/app.py records these inside every tool replica, so handle and HTTP
+# callers are counted alike)
+
+TOOL_REQUESTS = _define(
+    "osvl_tool_requests", "counter",
+    "Tool calls finished, by tool and result status (ok, invalid_call, tool_error, timeout, unavailable).",
+    ("tool", "status"))
+TOOL_LATENCY = _define(
+    "osvl_tool_latency_seconds", "histogram",
+    "Wall time of one tool call inside its replica, in seconds (queueing in the replica included).",
+    ("tool",), (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0))
+TOOL_IN_FLIGHT = _define(
+    "osvl_tool_in_flight_requests", "gauge",
+    "Tool calls currently running in one replica, in requests.",
+    ("tool", "replica"))
+TOOL_BATCH_SIZE = _define(
+    "osvl_tool_batch_size_requests", "histogram",
+    "Requests per executed batch of a batched tool (EDSR, OCR), in requests.",
+    ("tool",), (1, 2, 4, 8, 16, 32, 64))
+
+# ---------------------------------------------------------------------------
+
+_objects: dict[str, Any] = {}
+
+
+def metric(spec: MetricSpec) -> Any:
+    """The process-wide Ray metric object of ``spec``, created on first use."""
+    obj = _objects.get(spec.name)
+    if obj is None:
+        from ray.util import metrics as ray_metrics
+
+        if spec.kind == "counter":
+            obj = ray_metrics.Counter(spec.name, spec.description, tag_keys=spec.tag_keys)
+        elif spec.kind == "gauge":
+            obj = ray_metrics.Gauge(spec.name, spec.description, tag_keys=spec.tag_keys)
+        else:
+            obj = ray_metrics.Histogram(spec.name, spec.description, boundaries=list(spec.boundaries),
+                                        tag_keys=spec.tag_keys)
+        _objects[spec.name] = obj
+    return obj
+
+
+def prometheus_name(spec: MetricSpec) -> str:
+    """The series name Prometheus sees for ``spec`` (Ray's ``ray_`` prefix, ``_total`` on counters)."""
+    return "ray_" + spec.name + ("_total" if spec.kind == "counter" else "")

@@ -1,0 +1,341 @@
+"""One async tool client, three transports: HTTP, Serve deployment handles, in-process.
+
+Callers (the agent loop, rollout actors, eval, benchmarks) write
+``await client.call("crop", {"image": "img_1", ...}, images)`` and get a typed
+``ToolResult`` back whatever the transport:
+
+- ``http``: callers outside the cluster talk to ``serve/app.py``'s ingress with
+  aiohttp; images travel as base64 PNG in JSON.
+- ``handle``: callers inside the cluster (rollout actors) call each tool's Serve
+  deployment directly; no HTTP, no base64, the arrays go through Ray's object
+  store (the same ``ToolResult`` object comes back).
+- ``inprocess``: single-process runs call the registered tool function in a
+  worker thread (numpy/OpenCV/torch release the GIL, so the event loop keeps
+  serving other episodes).
+
+Failures are values, never exceptions: a transport that cannot reach the tool
+returns ``ToolResult.fail("unavailable", ...)``, a call past its deadline
+``timeout``. Only ``unavailable`` is retried (bounded, with backoff): tools are
+pure functions of their inputs, so repeating a call is safe, while a timed-out
+call may still be running and repeating it would double the load exactly when
+the service is slow.
+
+This module also holds the wire codec (base64 PNG images, header-checked before
+any pixel is decoded) because the HTTP server and the HTTP client must agree on
+it byte for byte.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import io
+import time
+import warnings
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from osvl.tools.base import MAX_PIXELS, REGISTRY, InvalidCall, Tool, ToolContext, ToolResult, call_tool
+
+IMAGE_FORMATS = ("PNG", "JPEG", "WEBP")
+"""Formats the HTTP API decodes; fewer decoders, less attack surface."""
+
+HTTP_STATUS = {"invalid_call": 422, "tool_error": 200, "timeout": 504, "unavailable": 503}
+"""HTTP status of each result kind (``ok`` is 200; an over-limit ``invalid_call`` is 413)."""
+
+DEPLOYMENT_PREFIX = "tool_"
+"""Serve deployment name of tool ``x`` is ``tool_x`` (serve/app.py and the handle transport agree)."""
+
+
+# ---------------------------------------------------------------------------
+# wire codec
+
+
+def encode_image(arr: np.ndarray) -> str:
+    """RGB uint8 array -> base64 PNG (lossless, so tools see exactly the pixels that were sent)."""
+    import cv2
+
+    ok, buf = cv2.imencode(".png", np.ascontiguousarray(arr[:, :, ::-1]), [cv2.IMWRITE_PNG_COMPRESSION, 1])
+    if not ok:
+        raise ValueError("PNG encoding failed")
+    return base64.b64encode(buf.tobytes()).decode("ascii")
+
+
+def decode_image(data: Any, max_pixels: int = MAX_PIXELS, name: str = "image") -> np.ndarray:
+    """base64 image -> RGB uint8 array; raises ``InvalidCall`` (``limit=True`` for oversize).
+
+    The pixel count is read from the file header *before* any pixel is decoded:
+    a 20,000 x 20,000 PNG of zeros is a few kilobytes on the wire and 1.2 GB in
+    memory (a decompression bomb).
+    """
+    from PIL import Image
+
+    if not isinstance(data, str):
+        raise InvalidCall(f"images.{name} must be a base64 string, got {type(data).__name__}")
+    try:
+        raw = base64.b64decode(data, validate=True)
+    except (binascii.Error, ValueError) as e:
+        raise InvalidCall(f"images.{name}: invalid base64 ({e})") from None
+    if not raw:
+        raise InvalidCall(f"images.{name}: empty image data")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            img = Image.open(io.BytesIO(raw), formats=IMAGE_FORMATS)  # reads the header only
+    except Image.DecompressionBombError as e:
+        raise InvalidCall(f"images.{name}: {e}", limit=True) from None
+    except Exception as e:  # noqa: BLE001 - PIL raises many types for garbage bytes
+        raise InvalidCall(f"images.{name}: not a {'/'.join(IMAGE_FORMATS)} image ({type(e).__name__})") from None
+    w, h = img.size
+    if w * h > max_pixels:
+        raise InvalidCall(f"images.{name}: {w}x{h} = {w * h} pixels exceeds the limit of {max_pixels}", limit=True)
+    try:
+        arr = np.asarray(img.convert("RGB"), dtype=np.uint8)
+    except Exception as e:  # noqa: BLE001 - truncated or corrupt pixel data
+        raise InvalidCall(f"images.{name}: corrupt image data ({type(e).__name__}: {e})") from None
+    return arr
+
+
+def result_to_wire(result: ToolResult) -> dict[str, Any]:
+    """``ToolResult`` -> JSON body of the HTTP API (new images as base64 PNG)."""
+    body = result.to_json()
+    body["images"] = {k: encode_image(v) for k, v in result.images.items()}
+    if result.error is not None and result.error.limit:
+        body["error"]["limit"] = True
+    return body
+
+
+def result_from_wire(body: Any) -> ToolResult:
+    """JSON body of the HTTP API -> ``ToolResult``; a body that is not one is ``unavailable``."""
+    if not isinstance(body, dict) or body.get("status") not in ("ok", "error"):
+        return ToolResult.fail("unavailable", f"malformed response body: {str(body)[:200]}")
+    err = body.get("error")
+    if body["status"] == "error":
+        if not isinstance(err, dict) or err.get("kind") not in HTTP_STATUS:
+            return ToolResult.fail("unavailable", f"malformed error in response: {str(err)[:200]}")
+        result = ToolResult.fail(err["kind"], str(err.get("message", "")), limit=bool(err.get("limit")))
+        result.data = body.get("data") or {}
+        return result
+    try:
+        images = {k: decode_image(v, name=k) for k, v in (body.get("images") or {}).items()}
+    except InvalidCall as e:
+        return ToolResult.fail("unavailable", f"undecodable image in response: {e}")
+    return ToolResult("ok", str(body.get("text", "")), images, None, body.get("data") or {})
+
+
+# ---------------------------------------------------------------------------
+# transports: each answers one attempt with a ToolResult, never raises
+
+
+class InProcessTransport:
+    """Run registered tool functions in this process (one thread per call)."""
+
+    def __init__(self, tools: Mapping[str, Tool] | None = None, max_pixels: int = MAX_PIXELS,
+                 options: dict[str, Any] | None = None) -> None:
+        self.tools = tools if tools is not None else REGISTRY
+        self.max_pixels = max_pixels
+        self.options = options or {}
+
+    async def call(self, name: str, arguments: Any, images: Mapping[str, np.ndarray], new_image_name: str,
+                   timeout_s: float) -> ToolResult:
+        tool = self.tools.get(name)
+        if tool is None:
+            return ToolResult.fail("invalid_call", f"unknown tool {name!r}; known: {sorted(self.tools)}")
+        ctx = ToolContext(images, new_image_name, self.max_pixels, self.options)
+        try:
+            # the thread keeps running after a timeout (threads cannot be killed); the caller moves on
+            return await asyncio.wait_for(asyncio.to_thread(call_tool, tool, arguments, ctx), timeout_s)
+        except TimeoutError:
+            return ToolResult.fail("timeout", f"{name} took longer than {timeout_s:g} s")
+
+    async def schemas(self) -> list[dict[str, Any]]:
+        return [t.schema for t in self.tools.values()]
+
+    async def close(self) -> None:
+        pass
+
+
+def _ray_failure(name: str, e: BaseException) -> ToolResult:
+    """Type an exception raised by a Serve handle call: infrastructure -> unavailable, else tool_error."""
+    from ray.exceptions import RayActorError, RayTaskError
+    from ray.serve.exceptions import (
+        BackPressureError,
+        DeploymentUnavailableError,
+        ReplicaUnavailableError,
+        RequestCancelledError,
+    )
+
+    transient = (RayActorError, BackPressureError, DeploymentUnavailableError, ReplicaUnavailableError,
+                 RequestCancelledError)
+    if isinstance(e, transient):
+        return ToolResult.fail("unavailable", f"{name}: {type(e).__name__}: {str(e)[:300]}")
+    if isinstance(e, RayTaskError):
+        return ToolResult.fail("tool_error", f"{name}: {type(e).__name__}: {str(e)[:300]}")
+    return ToolResult.fail("unavailable", f"{name}: {type(e).__name__}: {str(e)[:300]}")
+
+
+class HandleTransport:
+    """Call each tool's Serve deployment through a ``DeploymentHandle`` (inside the cluster)."""
+
+    def __init__(self, app_name: str = "osvl_tools") -> None:
+        self.app_name = app_name
+        self._handles: dict[str, Any] = {}
+
+    def _handle(self, name: str) -> Any:
+        if name not in self._handles:
+            from ray import serve
+
+            self._handles[name] = serve.get_deployment_handle(DEPLOYMENT_PREFIX + name, app_name=self.app_name)
+        return self._handles[name]
+
+    async def call(self, name: str, arguments: Any, images: Mapping[str, np.ndarray], new_image_name: str,
+                   timeout_s: float) -> ToolResult:
+        try:
+            handle = self._handle(name)
+        except (KeyError, ValueError) as e:
+            return ToolResult.fail("invalid_call", f"unknown tool {name!r} in app {self.app_name!r}: {e}")
+        except Exception as e:  # noqa: BLE001 - controller unreachable, app not deployed
+            return _ray_failure(name, e)
+        response = handle.remote(arguments, dict(images), new_image_name)
+        try:
+            return await asyncio.wait_for(response, timeout_s)
+        except TimeoutError:
+            response.cancel()
+            return ToolResult.fail("timeout", f"{name} took longer than {timeout_s:g} s")
+        except Exception as e:  # noqa: BLE001 - typed below
+            return _ray_failure(name, e)
+
+    async def schemas(self) -> list[dict[str, Any]]:
+        from ray import serve
+
+        return await serve.get_deployment_handle("api", app_name=self.app_name).schemas.remote()
+
+    async def close(self) -> None:
+        pass
+
+
+class HttpTransport:
+    """Talk to the tool API over HTTP (outside the cluster)."""
+
+    def __init__(self, url: str, token: str | None = None, connections: int = 64) -> None:
+        self.url = url.rstrip("/")
+        self.headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self.connections = connections
+        self._session: Any = None
+
+    def _sess(self) -> Any:
+        if self._session is None:
+            import aiohttp
+
+            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=self.connections),
+                                                  headers=self.headers)
+        return self._session
+
+    async def call(self, name: str, arguments: Any, images: Mapping[str, np.ndarray], new_image_name: str,
+                   timeout_s: float) -> ToolResult:
+        import aiohttp
+
+        body = {"arguments": arguments, "images": {k: encode_image(v) for k, v in images.items()}}
+        if new_image_name:
+            body["new_image_name"] = new_image_name
+        try:
+            async with self._sess().post(f"{self.url}/v1/tools/{name}", json=body,
+                                         timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+                status = resp.status
+                try:
+                    payload = await resp.json(content_type=None)
+                except ValueError:
+                    payload = None
+        except TimeoutError:
+            return ToolResult.fail("timeout", f"{name}: no HTTP answer within {timeout_s:g} s")
+        except aiohttp.ClientError as e:
+            return ToolResult.fail("unavailable", f"{name}: {type(e).__name__}: {e}")
+        if payload is None:
+            kind = {401: "invalid_call", 413: "invalid_call", 422: "invalid_call", 504: "timeout"}.get(
+                status, "unavailable")
+            return ToolResult.fail(kind, f"{name}: HTTP {status} without a JSON body", limit=status == 413)
+        if status in (401, 404) and not isinstance(payload.get("error"), dict):
+            return ToolResult.fail("invalid_call", f"{name}: HTTP {status}: {str(payload)[:200]}")
+        return result_from_wire(payload)
+
+    async def schemas(self) -> list[dict[str, Any]]:
+        async with self._sess().get(f"{self.url}/v1/tools") as resp:
+            resp.raise_for_status()
+            return (await resp.json())["tools"]
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+
+# ---------------------------------------------------------------------------
+
+
+class ToolClient:
+    """Timeouts and bounded retries over one transport; every failure is a typed ``ToolResult``.
+
+    ``stats`` counts attempts and retries (tests and benchmarks read it).
+    """
+
+    def __init__(self, transport: Any, *, timeout_s: float = 60.0, retries: int = 3,
+                 backoff_s: float = 0.2) -> None:
+        if timeout_s <= 0 or retries < 0 or backoff_s < 0:
+            raise ValueError("timeout_s must be > 0, retries and backoff_s >= 0")
+        self.transport = transport
+        self.timeout_s = timeout_s
+        self.retries = retries
+        self.backoff_s = backoff_s
+        self.stats = {"calls": 0, "attempts": 0, "retries": 0}
+
+    async def call(self, name: str, arguments: Any, images: Mapping[str, np.ndarray] | None = None,
+                   new_image_name: str = "") -> ToolResult:
+        """One tool call; ``unavailable`` is retried up to ``retries`` times within one overall deadline."""
+        images = images or {}
+        self.stats["calls"] += 1
+        deadline = time.monotonic() + self.timeout_s
+        attempt = 0
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return ToolResult.fail("timeout", f"{name}: no answer within {self.timeout_s:g} s")
+            self.stats["attempts"] += 1
+            result = await self.transport.call(name, arguments, images, new_image_name, left)
+            if result.ok or result.error.kind != "unavailable" or attempt >= self.retries:
+                return result
+            attempt += 1
+            self.stats["retries"] += 1
+            await asyncio.sleep(min(self.backoff_s * 2 ** (attempt - 1), max(deadline - time.monotonic(), 0)))
+
+    async def schemas(self) -> list[dict[str, Any]]:
+        return await self.transport.schemas()
+
+    async def close(self) -> None:
+        await self.transport.close()
+
+    async def __aenter__(self) -> ToolClient:
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.close()
+
+
+def make_client(transport: str = "inprocess", *, url: str = "", token: str | None = None,
+                app_name: str = "osvl_tools", tools: Mapping[str, Tool] | None = None, **kwargs: Any) -> ToolClient:
+    """Build a ``ToolClient``: ``transport`` is ``inprocess``, ``handle`` or ``http`` (which needs ``url``)."""
+    if transport == "inprocess":
+        if tools is None:
+            from osvl.tools.registry import all_tools
+
+            tools = all_tools()
+        return ToolClient(InProcessTransport(tools), **kwargs)
+    if transport == "handle":
+        return ToolClient(HandleTransport(app_name), **kwargs)
+    if transport == "http":
+        if not url:
+            raise ValueError("the http transport needs url='http://host:port'")
+        return ToolClient(HttpTransport(url, token), **kwargs)
+    raise ValueError(f"unknown transport {transport!r}; expected inprocess, handle or http")

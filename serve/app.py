@@ -1,0 +1,344 @@
+"""The tool API as a Ray Serve application: one deployment per tool plus an HTTP ingress.
+
+Layout::
+
+    HTTP ──► api (FastAPI ingress: auth, body/pixel limits, base64, status codes)
+                 │ DeploymentHandle
+                 ▼
+             tool_crop, tool_sharpen, ..., tool_super_resolution (@serve.batch), tool_ocr (@serve.batch)
+                 ▲
+    rollout actors call tool_* directly through handles (osvl.tools.client, transport "handle")
+
+Why one deployment per tool: tools differ by orders of magnitude in cost (crop is
+microseconds, EDSR is a network), so each scales on its own (autoscaling on
+ongoing requests) and only EDSR asks for a GPU. Tool replicas take and return
+``ToolResult`` objects with numpy arrays, so handle callers skip HTTP and
+base64 entirely; only the ingress converts to and from the wire format.
+
+Why the ingress decodes images itself: limits must hold before any work is done.
+The body is read in chunks up to ``max_body_bytes`` (413 past it), and each image
+header is checked against ``max_pixels`` before its pixels are decoded (413).
+Statuses: 200 for ``ok`` and ``tool_error`` results (the call was valid, the
+tool answered), 422 ``invalid_call``, 413 over a limit, 401 without the bearer
+token when auth is on, 504 ``timeout``, 503 ``unavailable``. The body of every
+non-2xx answer is still a typed tool result.
+
+Start it: ``python -m serve.app`` (a loopback Ray cluster and the app, for a
+laptop), or ``serve run serve/config.yaml`` / ``serve deploy`` on a cluster; the
+builder ``build_app(args)`` takes the ``ServeConfig`` fields as ``args``.
+"""
+
+# no `from __future__ import annotations`: FastAPI must see the real ``Request`` type on the replica
+import asyncio
+import dataclasses
+import hashlib
+import hmac
+import json
+import os
+import sys
+import threading
+import time
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from ray import serve
+
+from osvl.config import from_dict, opt
+from osvl.tools.base import MAX_PIXELS, InvalidCall, Tool, ToolContext, ToolResult, call_tool
+from osvl.tools.client import DEPLOYMENT_PREFIX, HTTP_STATUS, _ray_failure, decode_image, result_to_wire
+
+APP_NAME = "osvl_tools"
+
+
+@dataclasses.dataclass
+class ServeConfig:
+    """Arguments of ``build_app`` (the ``args:`` block of serve/config.yaml)."""
+
+    tools: list[str] = opt([], "Tools to deploy; empty = every tool in osvl.tools.registry.")
+    batched: list[str] = opt(["super_resolution", "ocr"], "Tools whose replicas batch requests (@serve.batch).")
+    max_batch_size: int = opt(8, "Largest batch a batched tool replica runs at once.")
+    batch_wait_timeout_s: float = opt(0.01, "How long a batched replica waits to fill a batch.")
+    max_body_bytes: int = opt(32 * 2**20, "Largest HTTP request body, in bytes (413 above).")
+    max_pixels: int = opt(MAX_PIXELS, "Largest image (input or output) in pixels (413 above).")
+    timeout_s: float = opt(60.0, "Per-call deadline at the ingress, in seconds (504 after).")
+    token_env: str = opt("OSVL_TOOLS_TOKEN", "Environment variable holding the bearer token; "
+                         "when it is set where the app is built, every /v1 call must carry it.")
+
+
+def _tags(tool: str) -> dict[str, str]:
+    return {"tool": tool}
+
+
+class _ToolReplica:
+    """What every tool replica does around one call: context, thread, metrics."""
+
+    def __init__(self, tool: Tool, cfg: dict[str, Any]) -> None:
+        self.tool = tool
+        self.cfg = from_dict(ServeConfig, cfg)
+        self.in_flight = 0
+        try:
+            self.replica = serve.get_replica_context().replica_id.unique_id
+        except Exception:  # noqa: BLE001 - constructed outside Serve (unit use)
+            self.replica = "local"
+        self._lock = threading.Lock()
+
+    def _run(self, arguments: Any, images: Any, new_image_name: str) -> ToolResult:
+        from osvl import metrics
+
+        start = time.perf_counter()
+        with self._lock:
+            self.in_flight += 1
+            metrics.metric(metrics.TOOL_IN_FLIGHT).set(self.in_flight, {"tool": self.tool.name,
+                                                                         "replica": self.replica})
+        try:
+            if not isinstance(images, dict) or not isinstance(new_image_name, str):
+                result = ToolResult.fail("invalid_call", "images must map names to arrays, new_image_name a str")
+            else:
+                ctx = ToolContext(images, new_image_name, self.cfg.max_pixels)
+                result = call_tool(self.tool, arguments, ctx)
+        finally:
+            with self._lock:
+                self.in_flight -= 1
+                metrics.metric(metrics.TOOL_IN_FLIGHT).set(self.in_flight, {"tool": self.tool.name,
+                                                                             "replica": self.replica})
+        status = "ok" if result.ok else result.error.kind
+        metrics.metric(metrics.TOOL_REQUESTS).inc(1, {"tool": self.tool.name, "status": status})
+        metrics.metric(metrics.TOOL_LATENCY).observe(time.perf_counter() - start, _tags(self.tool.name))
+        return result
+
+
+@serve.deployment(ray_actor_options={"num_cpus": 0.1}, max_ongoing_requests=8,
+                  autoscaling_config={"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 4})
+class ToolDeployment(_ToolReplica):
+    """One tool, one call at a time per request; the work runs in a thread so the replica stays responsive."""
+
+    async def __call__(self, arguments: Any, images: Any, new_image_name: str = "") -> ToolResult:
+        return await asyncio.to_thread(self._run, arguments, images, new_image_name)
+
+
+@serve.deployment(ray_actor_options={"num_cpus": 0.1}, max_ongoing_requests=32,
+                  autoscaling_config={"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 16})
+class BatchedToolDeployment(_ToolReplica):
+    """A model-backed tool (EDSR, OCR): concurrent requests are grouped and run as one batch.
+
+    A tool opts into real batching by registering a ``batch_fn(ctxs, arguments_list)
+    -> list[ToolResult]`` in ``osvl.tools.base``'s module namespace of its own module
+    (see ``_batch_fn``); without one the batch runs its calls back to back in one
+    thread hop, which still saves the per-call scheduling.
+    """
+
+    def __init__(self, tool: Tool, cfg: dict[str, Any]) -> None:
+        super().__init__(tool, cfg)
+        self._batch.set_max_batch_size(self.cfg.max_batch_size)
+        self._batch.set_batch_wait_timeout_s(self.cfg.batch_wait_timeout_s)
+
+    async def __call__(self, arguments: Any, images: Any, new_image_name: str = "") -> ToolResult:
+        return await self._batch((arguments, images, new_image_name))
+
+    @serve.batch(max_batch_size=8, batch_wait_timeout_s=0.01)
+    async def _batch(self, requests: list[tuple[Any, Any, str]]) -> list[ToolResult]:
+        from osvl import metrics
+
+        metrics.metric(metrics.TOOL_BATCH_SIZE).observe(len(requests), _tags(self.tool.name))
+        return await asyncio.to_thread(lambda: [self._run(*r) for r in requests])
+
+
+# ---------------------------------------------------------------------------
+# ingress
+
+REQUEST_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "arguments": {"type": "object", "description": "The tool's arguments (see GET /v1/tools)."},
+        "images": {"type": "object", "additionalProperties": {"type": "string", "format": "byte"},
+                   "description": "Images by name (img_1, ...), base64 PNG/JPEG/WebP."},
+        "new_image_name": {"type": "string", "description": "Name for a new image (default: next img_k)."},
+    },
+    "required": ["arguments"],
+}
+RESULT_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "status": {"type": "string", "enum": ["ok", "error"]},
+        "text": {"type": "string", "description": "What the agent sees inside <tool_response>."},
+        "images": {"type": "object", "additionalProperties": {"type": "string", "format": "byte"}},
+        "error": {"type": ["object", "null"], "properties": {
+            "kind": {"type": "string", "enum": list(HTTP_STATUS)}, "message": {"type": "string"}}},
+        "data": {"type": "object"},
+    },
+}
+_RESPONSES = {str(code): {"description": why, "content": {"application/json": {"schema": RESULT_SCHEMA}}}
+              for code, why in [(200, "ok or tool_error"), (401, "missing or wrong bearer token"),
+                                (413, "body or image over a limit"), (422, "invalid_call"),
+                                (503, "unavailable"), (504, "timeout")]}
+
+api = FastAPI(title="osvl tool API", version="1",
+              description="Tools of the OpenSearch-VL agent (crop, sharpen, super_resolution, "
+                          "perspective_correct, ocr, text_search, image_search) over HTTP.")
+
+
+def _answer(result: ToolResult) -> JSONResponse:
+    if result.ok:
+        code = 200
+    else:
+        code = 413 if result.error.limit else HTTP_STATUS[result.error.kind]
+    return JSONResponse(result_to_wire(result), status_code=code)
+
+
+def _unauthorized() -> JSONResponse:
+    result = ToolResult.fail("invalid_call", "missing or wrong bearer token")
+    return JSONResponse(result_to_wire(result), status_code=401, headers={"WWW-Authenticate": "Bearer"})
+
+
+@serve.deployment(ray_actor_options={"num_cpus": 0.1}, max_ongoing_requests=64,
+                  autoscaling_config={"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 32})
+@serve.ingress(api)
+class ToolAPI:
+    def __init__(self, handles: dict[str, Any], tool_schemas: list[dict[str, Any]], cfg: dict[str, Any],
+                 token_sha256: str = "") -> None:
+        self.handles = handles
+        self.tool_schemas = tool_schemas
+        self.cfg = from_dict(ServeConfig, cfg)
+        self.token_sha256 = token_sha256  # a digest, so the token is not stored in the app's config
+
+    def _authorized(self, request: Request) -> bool:
+        if not self.token_sha256:
+            return True
+        auth = request.headers.get("authorization", "")
+        if not auth.startswith("Bearer "):
+            return False
+        digest = hashlib.sha256(auth[7:].encode()).hexdigest()
+        return hmac.compare_digest(digest, self.token_sha256)
+
+    async def _read_body(self, request: Request) -> bytes:
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.cfg.max_body_bytes:
+            raise InvalidCall(f"body of {declared} bytes exceeds the limit of {self.cfg.max_body_bytes}", limit=True)
+        chunks, size = [], 0
+        async for chunk in request.stream():  # chunked uploads have no content-length to trust
+            size += len(chunk)
+            if size > self.cfg.max_body_bytes:
+                raise InvalidCall(f"body exceeds the limit of {self.cfg.max_body_bytes} bytes", limit=True)
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    def _parse(self, raw: bytes) -> tuple[Any, dict[str, Any], str]:
+        if not raw:
+            raise InvalidCall("empty body; expected {\"arguments\": {...}, \"images\": {...}}")
+        try:
+            body = json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise InvalidCall(f"body is not JSON: {e}") from None
+        if not isinstance(body, dict):
+            raise InvalidCall(f"body must be a JSON object, got {type(body).__name__}")
+        unknown = sorted(set(body) - {"arguments", "images", "new_image_name"})
+        if unknown:
+            raise InvalidCall(f"unknown body field(s) {unknown}")
+        arguments = body.get("arguments", {})
+        if not isinstance(arguments, dict):
+            raise InvalidCall(f"arguments must be a JSON object, got {type(arguments).__name__}")
+        images_b64 = body.get("images", {})
+        if not isinstance(images_b64, dict):
+            raise InvalidCall(f"images must be a JSON object of name -> base64, got {type(images_b64).__name__}")
+        new_name = body.get("new_image_name", "")
+        if not isinstance(new_name, str):
+            raise InvalidCall("new_image_name must be a string")
+        images = {name: decode_image(b64, self.cfg.max_pixels, name) for name, b64 in images_b64.items()}
+        return arguments, images, new_name
+
+    @api.get("/healthz")
+    async def healthz(self) -> dict[str, Any]:
+        return {"status": "ok", "tools": sorted(self.handles)}
+
+    @api.get("/v1/tools")
+    async def list_tools(self, request: Request) -> JSONResponse:
+        if not self._authorized(request):
+            return _unauthorized()
+        return JSONResponse({"tools": self.tool_schemas})
+
+    def schemas(self) -> list[dict[str, Any]]:
+        """Handle callers (``HandleTransport.schemas``) get the same list without HTTP."""
+        return self.tool_schemas
+
+    @api.post("/v1/tools/{name}", responses=_RESPONSES,
+              openapi_extra={"requestBody": {"required": True, "content": {
+                  "application/json": {"schema": REQUEST_SCHEMA}}}})
+    async def call(self, name: str, request: Request) -> JSONResponse:
+        if not self._authorized(request):
+            return _unauthorized()
+        try:
+            raw = await self._read_body(request)
+            if name not in self.handles:
+                raise InvalidCall(f"unknown tool {name!r}; known: {sorted(self.handles)}")
+            arguments, images, new_name = await asyncio.to_thread(self._parse, raw)
+        except InvalidCall as e:
+            return _answer(ToolResult.fail("invalid_call", str(e), limit=e.limit))
+        response = self.handles[name].remote(arguments, images, new_name)
+        try:
+            result = await asyncio.wait_for(response, self.cfg.timeout_s)
+        except TimeoutError:
+            response.cancel()
+            result = ToolResult.fail("timeout", f"{name} took longer than {self.cfg.timeout_s:g} s")
+        except Exception as e:  # noqa: BLE001 - typed by _ray_failure
+            result = _ray_failure(name, e)
+        if result.ok and result.images:
+            return await asyncio.to_thread(_answer, result)  # PNG encoding is CPU work
+        return _answer(result)
+
+
+# ---------------------------------------------------------------------------
+
+
+def build_app(args: dict[str, Any]) -> serve.Application:
+    """Serve application builder (``import_path: serve.app:build_app``; ``args`` = ServeConfig fields)."""
+    from osvl.tools.registry import all_tools
+
+    return make_app(all_tools(), from_dict(ServeConfig, dict(args or {})))
+
+
+def make_app(tools: dict[str, Tool], cfg: ServeConfig) -> serve.Application:
+    """The application for ``tools`` (a registry); the Tool objects travel to their replicas by value."""
+    names = cfg.tools or sorted(tools)
+    missing = sorted(set(names) - set(tools))
+    if missing:
+        from osvl.errors import ConfigError
+
+        raise ConfigError(f"tools {missing} are not registered; known: {sorted(tools)}")
+    cfg_dict = dataclasses.asdict(cfg)
+    handles = {}
+    for name in names:
+        cls = BatchedToolDeployment if name in cfg.batched else ToolDeployment
+        handles[name] = cls.options(name=DEPLOYMENT_PREFIX + name).bind(tools[name], cfg_dict)
+    token = os.environ.get(cfg.token_env, "")
+    digest = hashlib.sha256(token.encode()).hexdigest() if token else ""
+    return ToolAPI.options(name="api").bind(handles, [tools[n].schema for n in names], cfg_dict, digest)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m serve.app [--port=N] [--tools=crop,sharpen] [--<ServeConfig field>=...]``: run until Ctrl-C."""
+    from osvl.cluster import init_ray, start_serve
+    from osvl.config import apply_override
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    port = 0
+    cfg = ServeConfig()
+    for arg in argv:
+        key, _, value = arg.removeprefix("--").partition("=")
+        if key == "port":
+            port = int(value)
+        else:
+            cfg = apply_override(cfg, key, value)
+    init_ray()
+    port = start_serve(port or None)
+    serve.run(build_app(dataclasses.asdict(cfg)), name=APP_NAME, route_prefix="/")
+    print(f"osvl tool API on http://127.0.0.1:{port} (OpenAPI: /docs, /openapi.json)", flush=True)
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        serve.shutdown()
+
+
+if __name__ == "__main__":
+    main()
