@@ -91,16 +91,16 @@ def _check(value: Any, tp: Any, key: str) -> Any:
     if tp is Any:
         return value
     if origin is Literal:
-        if value in get_args(tp):
+        # compare types too: True == 1 and 2.0 == 2, but neither is the literal 1 or 2
+        if any(value == a and type(value) is type(a) for a in get_args(tp)):
             return value
         raise ConfigError(f"{key}: {value!r} is not {_type_name(tp)}")
     if origin in (typing.Union, types.UnionType):
-        errors = []
         for arg in get_args(tp):
             try:
                 return _check(value, arg, key)
-            except ConfigError as e:
-                errors.append(str(e))
+            except ConfigError:
+                continue
         raise ConfigError(f"{key}: {value!r} is not {_type_name(tp)}")
     if tp is type(None):
         if value is None:
@@ -266,13 +266,21 @@ def apply_override(cfg: T, dotted: str, text: str) -> T:
 
 
 def load_yaml(path: str | Path) -> dict[str, Any]:
+    import re
+
     import yaml
 
+    class Loader(yaml.SafeLoader):
+        """PyYAML follows YAML 1.1, where ``1e-3`` (no dot) is a *string*; configs write
+        learning rates that way, so such numbers are read as floats here (YAML 1.2)."""
+
+    exponent = re.compile(r"^[-+]?[0-9][0-9_]*(\.[0-9_]*)?[eE][-+]?[0-9]+$")
+    Loader.add_implicit_resolver("tag:yaml.org,2002:float", exponent, list("-+0123456789"))
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        data = yaml.load(path.read_text(), Loader=Loader) or {}
     except yaml.YAMLError as e:
         raise ConfigError(f"{path}: not valid YAML: {e}") from None
     if not isinstance(data, dict):
@@ -292,8 +300,12 @@ def profile_path(job: str, profile: str) -> Path:
     return path
 
 
-def format_help(cls: type, job: str = "", prefix: str = "") -> str:
-    """Every field with its type, default and doc: what ``--help`` prints."""
+def format_help(cls: type, job: str = "", prefix: str = "", defaults: Any = None) -> str:
+    """Every field with its type, default and doc: what ``--help`` prints.
+
+    Defaults are read from an instance (``defaults``, else ``cls()``) rather than from the
+    class fields, so a section embedded with non-default values shows what a run gets.
+    """
     lines = []
     if not prefix:
         lines.append(f"usage: python jobs/{job}.py [--profile=NAME|FILE.yaml] [--section.key=value ...]")
@@ -301,15 +313,16 @@ def format_help(cls: type, job: str = "", prefix: str = "") -> str:
         if profiles:
             lines.append(f"profiles: {', '.join(profiles)} (default: demo)")
         lines.append("")
+    obj = cls() if defaults is None else defaults
     for name, (f, tp) in _fields(cls).items():
         key = prefix + name
         doc = f.metadata.get("doc", "")
+        value = getattr(obj, name)
         if dataclasses.is_dataclass(tp):
             lines.append(f"[{key}] {doc}")
-            lines.append(format_help(tp, prefix=key + "."))
+            lines.append(format_help(tp, prefix=key + ".", defaults=value))
             continue
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        lines.append(f"  --{key}={json.dumps(default)}  ({_type_name(tp)})\n      {doc}")
+        lines.append(f"  --{key}={json.dumps(value)}  ({_type_name(tp)})\n      {doc}")
     return "\n".join(lines)
 
 
