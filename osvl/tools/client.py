@@ -81,6 +81,9 @@ def decode_image(data: Any, max_pixels: int = MAX_PIXELS, name: str = "image") -
         raise InvalidCall(f"images.{name}: invalid base64 ({e})") from None
     if not raw:
         raise InvalidCall(f"images.{name}: empty image data")
+    if raw[:8] == b"\x89PNG\r\n\x1a\n" and raw[12:16] == b"IHDR":
+        # PIL refuses > 179 MP itself, at a limit we do not set; check ours first with a clear message
+        _check_pixels(int.from_bytes(raw[16:20], "big"), int.from_bytes(raw[20:24], "big"), max_pixels, name)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
@@ -89,14 +92,17 @@ def decode_image(data: Any, max_pixels: int = MAX_PIXELS, name: str = "image") -
         raise InvalidCall(f"images.{name}: {e}", limit=True) from None
     except Exception as e:  # noqa: BLE001 - PIL raises many types for garbage bytes
         raise InvalidCall(f"images.{name}: not a {'/'.join(IMAGE_FORMATS)} image ({type(e).__name__})") from None
-    w, h = img.size
-    if w * h > max_pixels:
-        raise InvalidCall(f"images.{name}: {w}x{h} = {w * h} pixels exceeds the limit of {max_pixels}", limit=True)
+    _check_pixels(*img.size, max_pixels, name)
     try:
         arr = np.asarray(img.convert("RGB"), dtype=np.uint8)
     except Exception as e:  # noqa: BLE001 - truncated or corrupt pixel data
         raise InvalidCall(f"images.{name}: corrupt image data ({type(e).__name__}: {e})") from None
     return arr
+
+
+def _check_pixels(w: int, h: int, max_pixels: int, name: str) -> None:
+    if w * h > max_pixels:
+        raise InvalidCall(f"images.{name}: {w}x{h} = {w * h} pixels exceeds the limit of {max_pixels}", limit=True)
 
 
 def result_to_wire(result: ToolResult) -> dict[str, Any]:
