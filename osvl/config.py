@@ -142,8 +142,10 @@ def _check(value: Any, tp: Any, key: str) -> Any:
 
 
 def _from_text(text: str, tp: Any, key: str) -> Any:
-    """Parse a command-line string into ``tp`` (then ``_check`` validates it)."""
+    """Parse a command-line string into ``tp`` (then ``_check`` validates it); ``Any`` keeps the text."""
     origin = get_origin(tp)
+    if tp is Any:
+        return text
     if origin in (typing.Union, types.UnionType):
         if text.lower() in ("none", "null") and type(None) in get_args(tp):
             return None

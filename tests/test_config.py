@@ -1,0 +1,492 @@
+"""osvl/config.py: defaults, YAML profiles, dotted overrides, errors, --help, hashing, run folders."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Literal, Optional  # noqa: UP035 - Optional is a spelling configs may use
+
+import pytest
+import yaml
+
+from osvl import config as C
+from osvl.config import (
+    RunConfig,
+    apply_override,
+    config_hash,
+    dump,
+    format_help,
+    from_dict,
+    load_yaml,
+    merge,
+    opt,
+    parse_args,
+    profile_path,
+    run_dir,
+    to_dict,
+)
+from osvl.errors import ConfigError
+
+
+@dataclasses.dataclass
+class Model:
+    hidden: int = opt(16, "Hidden size.")
+    dropout: float = opt(0.1, "Dropout probability.")
+    act: Literal["gelu", "relu"] = opt("gelu", "Activation.")
+    cache: str = opt("", "Where to cache (does not change results).", hashed=False)
+
+
+@dataclasses.dataclass
+class Job:
+    run: RunConfig = opt(RunConfig, "Run root and seed.")
+    model: Model = opt(Model, "The model.")
+    big: Model = opt(Model(hidden=64), "A second, bigger model.")
+    lr: float = opt(3e-4, "Learning rate.")
+    steps: int = opt(10, "Training steps.")
+    use_kl: bool = opt(True, "Use a KL term.")
+    label: str = opt("demo", "Experiment label.")
+    limit: int | None = opt(None, "Optional cap.")
+    note: Optional[str] = opt("x", "Optional note.")  # noqa: UP045
+    mode: Literal["vanilla", "fatal_mask"] = opt("vanilla", "Loss mode.")
+    level: Literal[1, 2] = opt(1, "Level.")
+    layers: list[int] = opt([1, 2], "Layer ids.")
+    tags: list[str] = opt([], "Tags.")
+    weights: dict[str, float] = opt({"a": 1.0}, "Weights.")
+    either: int | str = opt(0, "An int or a name.")
+    extra: Any = opt(None, "Anything.")
+    workers: int = opt(2, "Worker count.", hashed=False)
+
+
+def err(fn, *args, **kwargs) -> str:
+    with pytest.raises(ConfigError) as info:
+        fn(*args, **kwargs)
+    return str(info.value)
+
+
+@pytest.fixture
+def configs_dir(tmp_path, monkeypatch):
+    """A configs/ root with two profiles of job 'toy' (CONFIG_DIR is where profile names resolve)."""
+    root = tmp_path / "configs"
+    (root / "toy").mkdir(parents=True)
+    (root / "toy" / "demo.yaml").write_text("steps: 3\nmodel:\n  hidden: 8\n")
+    (root / "toy" / "production.yml.bak").write_text("ignored: 1\n")
+    (root / "toy" / "production.yaml").write_text("steps: 1000\nlr: 1e-5\n")
+    monkeypatch.setattr(C, "CONFIG_DIR", root)
+    return root
+
+
+# ---------------------------------------------------------------------------
+# declaring fields
+
+
+def test_defaults():
+    cfg = Job()
+    assert cfg.run == RunConfig(root=C.DEFAULT_RUN_ROOT, seed=0, name="")
+    assert cfg.model == Model(hidden=16, dropout=0.1, act="gelu", cache="")
+    assert cfg.big.hidden == 64 and cfg.lr == 3e-4 and cfg.steps == 10 and cfg.use_kl is True
+    assert (cfg.label, cfg.limit, cfg.note, cfg.mode, cfg.level) == ("demo", None, "x", "vanilla", 1)
+    assert (cfg.layers, cfg.tags, cfg.weights, cfg.either, cfg.extra, cfg.workers) == ([1, 2], [], {"a": 1.0}, 0,
+                                                                                       None, 2)
+
+
+def test_opt_metadata_and_fresh_mutable_defaults():
+    fields = {f.name: f for f in dataclasses.fields(Job)}
+    assert dict(fields["lr"].metadata) == {"doc": "Learning rate.", "hashed": True}
+    assert dict(fields["workers"].metadata) == {"doc": "Worker count.", "hashed": False}
+    assert fields["lr"].default == 3e-4 and fields["lr"].default_factory is dataclasses.MISSING
+    a, b = Job(), Job()
+    a.layers.append(3)
+    a.weights["b"] = 2.0
+    a.model.hidden = 1
+    a.big.hidden = 2
+    assert (b.layers, b.weights, b.model.hidden, b.big.hidden) == ([1, 2], {"a": 1.0}, 16, 64)
+    run_fields = {f.name: f.metadata["hashed"] for f in dataclasses.fields(RunConfig)}
+    assert run_fields == {"root": False, "seed": True, "name": False}
+
+
+def test_default_run_root_follows_env(tmp_path):
+    code = "from osvl import config; print(config.DEFAULT_RUN_ROOT); print(config.RunConfig().root)"
+    env = {**os.environ, "OSVL_RUN_ROOT": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    assert out.stdout.split() == [str(tmp_path)] * 2
+    env.pop("OSVL_RUN_ROOT")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    assert out.stdout.split() == [str(C.REPO_ROOT / "runs")] * 2
+    assert C.CONFIG_DIR == C.REPO_ROOT / "configs" and (C.REPO_ROOT / "osvl" / "config.py").is_file()
+
+
+# ---------------------------------------------------------------------------
+# dotted overrides, one per type
+
+
+@pytest.mark.parametrize("key, text, value", [
+    ("steps", "12", 12), ("steps", "-3", -3), ("steps", "1_000", 1000),
+    ("lr", "1e-3", 1e-3), ("lr", "2", 2.0), ("lr", "inf", float("inf")),
+    ("label", "a, b = c", "a, b = c"), ("label", "", ""),
+    ("limit", "7", 7), ("limit", "none", None), ("limit", "NULL", None), ("limit", "None", None),
+    ("note", "hello", "hello"), ("note", "null", None),
+    ("mode", "fatal_mask", "fatal_mask"), ("level", "2", 2),
+    ("layers", "3, 4,5", [3, 4, 5]), ("layers", "", []), ("layers", "  ", []), ("layers", "7", [7]),
+    ("tags", "a,b c", ["a", "b c"]),
+    ("weights", '{"b": 2}', {"b": 2.0}),
+    ("either", "5", 5), ("either", "five", "five"), ("either", "none", "none"),
+    ("extra", "anything", "anything"),
+    ("workers", "8", 8),
+])
+def test_override_each_type(key, text, value):
+    cfg = apply_override(Job(), key, text)
+    got = getattr(cfg, key)
+    assert got == value and type(got) is type(value)
+
+
+@pytest.mark.parametrize("text", ["true", "True", "1", "yes", "YES", "on", "On"])
+def test_bool_true_spellings(text):
+    assert apply_override(Job(use_kl=False), "use_kl", text).use_kl is True
+
+
+@pytest.mark.parametrize("text", ["false", "FALSE", "0", "no", "No", "off", "OFF"])
+def test_bool_false_spellings(text):
+    assert apply_override(Job(), "use_kl", text).use_kl is False
+
+
+def test_nested_overrides():
+    cfg = apply_override(Job(), "model.hidden", "32")
+    cfg = apply_override(cfg, "model.act", "relu")
+    cfg = apply_override(cfg, "run.seed", "5")
+    assert cfg.model == Model(hidden=32, dropout=0.1, act="relu") and cfg.run.seed == 5
+    assert cfg.big.hidden == 64 and Job().model.hidden == 16  # the original is untouched
+    cfg = apply_override(cfg, "big", '{"dropout": 0.5}')  # a whole section as JSON merges into it
+    assert cfg.big == Model(hidden=64, dropout=0.5)
+
+
+@pytest.mark.parametrize("key, text, message", [
+    ("steps", "1.5", "steps: expected int, got '1.5'"),
+    ("steps", "ten", "steps: expected int, got 'ten'"),
+    ("lr", "fast", "lr: expected float, got 'fast'"),
+    ("use_kl", "maybe", "use_kl: expected bool (true/false), got 'maybe'"),
+    ("use_kl", "", "use_kl: expected bool (true/false), got ''"),
+    ("limit", "lots", "limit: cannot read 'lots' as int | None"),
+    ("mode", "fatal", "mode: 'fatal' is not one of 'vanilla', 'fatal_mask'"),
+    ("level", "3", "level: '3' is not one of 1, 2"),
+    ("layers", "1,x", "layers[1]: expected int, got 'x'"),
+    ("weights", "a=1", "weights: expected a JSON object, got 'a=1'"),
+    ("weights", '{"a": "x"}', "weights.a: expected float, got str 'x'"),
+    ("weights", "[1]", "weights: expected dict[str, float], got list"),
+    ("model", "{", "model: expected a JSON object, got '{'"),
+    ("model", '{"hidden": "x"}', "model.hidden: expected int, got str 'x'"),
+    ("lr.x", "1", "lr is not a section; cannot set 'lr.x'"),
+    ("model.hidden.x", "1", "model.hidden is not a section; cannot set 'model.hidden.x'"),
+])
+def test_override_errors(key, text, message):
+    assert err(apply_override, Job(), key, text) == message
+
+
+def test_unknown_keys_name_valid_ones_and_suggest():
+    assert err(apply_override, Job(), "model.hiden", "3") == (
+        "unknown config key 'model.hiden' (did you mean 'hidden'?); valid keys here: act, cache, dropout, hidden")
+    assert err(apply_override, Job(), "stpes", "3").startswith(
+        "unknown config key 'stpes' (did you mean 'steps'?); valid keys here: big, either, extra, label, layers,")
+    assert err(apply_override, Job(), "zzz", "3") == (
+        "unknown config key 'zzz'; valid keys here: big, either, extra, label, layers, level, limit, lr, mode, "
+        "model, note, run, steps, tags, use_kl, weights, workers")
+    assert err(merge, Job(), {"model": {"hiden": 3}}).startswith("unknown config key 'model.hiden' (did you mean")
+    assert err(from_dict, Job, {"run": {"sed": 3}}) == (
+        "unknown config key 'run.sed' (did you mean 'seed'?); valid keys here: name, root, seed")
+    assert err(from_dict, Job, {"big": {"x": 1}}, prefix="p.").startswith("unknown config key 'p.big.x'; valid")
+
+
+def test_unsupported_field_type():
+    @dataclasses.dataclass
+    class Odd:
+        s: set[int] = opt(frozenset(), "A set.")
+
+    assert err(apply_override, Odd(), "s", "1") == "s: unsupported field type set[int]"
+    assert err(merge, Odd(), {"s": [1]}) == "s: unsupported field type set[int]"
+
+
+# ---------------------------------------------------------------------------
+# values from YAML / mappings
+
+
+@pytest.mark.parametrize("data, message", [
+    ({"steps": "3"}, "steps: expected int, got str '3'"),
+    ({"steps": True}, "steps: expected int, got bool True"),
+    ({"steps": 3.0}, "steps: expected int, got float 3.0"),
+    ({"lr": "fast"}, "lr: expected float, got str 'fast'"),
+    ({"lr": True}, "lr: expected float, got bool True"),
+    ({"use_kl": 1}, "use_kl: expected bool, got int 1"),
+    ({"label": 3}, "label: expected str, got int 3"),
+    ({"label": None}, "label: expected str, got NoneType None"),
+    ({"limit": "3"}, "limit: '3' is not int | None"),
+    ({"note": 3}, "note: 3 is not str | None"),
+    ({"mode": "x"}, "mode: 'x' is not one of 'vanilla', 'fatal_mask'"),
+    ({"level": True}, "level: True is not one of 1, 2"),
+    ({"level": 2.0}, "level: 2.0 is not one of 1, 2"),
+    ({"layers": "1,2"}, "layers: expected list[int], got str '1,2'"),
+    ({"layers": [1, "2"]}, "layers[1]: expected int, got str '2'"),
+    ({"weights": [1]}, "weights: expected dict[str, float], got list"),
+    ({"weights": {1: 1.0}}, "weights: expected str, got int 1"),
+    ({"weights": {"a": "b"}}, "weights.a: expected float, got str 'b'"),
+    ({"model": 3}, "model: expected a mapping for section Model, got 3"),
+    ({"model": RunConfig()}, "model: expected a mapping for section Model, got RunConfig("),
+    ({"model": {"hidden": "x"}}, "model.hidden: expected int, got str 'x'"),
+])
+def test_wrong_types(data, message):
+    assert err(merge, Job(), data).startswith(message)
+    assert err(from_dict, Job, data).startswith(message)
+
+
+def test_good_values_are_converted():
+    cfg = from_dict(Job, {"lr": 1, "layers": (3, 4), "weights": {"b": 2}, "level": 2, "limit": 4,
+                          "model": {"dropout": 0}, "extra": {"any": [1]}})
+    assert type(cfg.lr) is float and cfg.lr == 1.0
+    assert cfg.layers == [3, 4] and type(cfg.layers) is list
+    assert cfg.weights == {"b": 2.0} and type(cfg.weights["b"]) is float
+    assert type(cfg.model.dropout) is float and cfg.model.hidden == 16
+    assert (cfg.level, cfg.limit, cfg.extra) == (2, 4, {"any": [1]})
+    assert from_dict(Job, {"note": None, "limit": None}).note is None
+    model = Model(hidden=3)
+    assert merge(Job(), {"model": model}).model is model
+
+
+def test_partial_sections_keep_their_defaults():
+    assert from_dict(Job, {"big": {"dropout": 0.5}}).big == Model(hidden=64, dropout=0.5)
+    assert from_dict(Job, {"model": {}}).model == Model()
+    cfg = merge(Job(big=Model(hidden=5)), {"big": {"act": "relu"}})
+    assert cfg.big == Model(hidden=5, act="relu")  # merge keeps the current values, not the defaults
+    assert from_dict(Job, {}) == Job()
+
+
+def test_mapping_required():
+    assert err(from_dict, Job, [1]) == "config: expected a mapping, got [1]"
+    assert err(from_dict, Job, "x", prefix="sec.") == "sec.: expected a mapping, got 'x'"
+    assert err(merge, Job(), None) == "config: expected a mapping, got None"
+    assert err(merge, Job(), 3, prefix="sec.") == "sec.: expected a mapping, got 3"
+
+
+def test_type_names():
+    tn = C._type_name
+    assert tn(Literal["a", "b"]) == "one of 'a', 'b'"
+    assert tn(int | None) == "int | None"
+    assert tn(Optional[str]) == "str | None"  # noqa: UP045
+    assert tn(list[int]) == "list[int]"
+    assert tn(dict[str, list[float]]) == "dict[str, list[float]]"
+    assert tn(type(None)) == "None"
+    assert tn(Model) == "Model"
+    assert tn(C._check(None, type(None), "k")) == "None"
+    assert err(C._check, 1, type(None), "k") == "k: expected None, got 1"
+    assert C._check(object, Any, "k") is object
+
+
+# ---------------------------------------------------------------------------
+# YAML files and profiles
+
+
+def test_load_yaml(tmp_path):
+    p = tmp_path / "a.yaml"
+    p.write_text("lr: 1e-3\nb: 5E+2\nc: -2e-4\nd: 1.5e3\ne: 10\nf: 1_000\ng: e5\nh: 1e\ni: true\nj: 2.5\n")
+    got = load_yaml(p)
+    assert got == {"lr": 1e-3, "b": 500.0, "c": -2e-4, "d": 1500.0, "e": 10, "f": 1000, "g": "e5", "h": "1e",
+                   "i": True, "j": 2.5}
+    assert [type(got[k]) for k in "lrbcdef"[2:]] == [float, float, float, int, int]
+    assert type(got["lr"]) is float
+    (tmp_path / "empty.yaml").write_text("")
+    assert load_yaml(str(tmp_path / "empty.yaml")) == {}
+    (tmp_path / "null.yaml").write_text("~\n")
+    assert load_yaml(tmp_path / "null.yaml") == {}
+
+
+def test_load_yaml_errors(tmp_path):
+    assert err(load_yaml, tmp_path / "no.yaml") == f"config file not found: {tmp_path / 'no.yaml'}"
+    assert err(load_yaml, tmp_path) == f"config file not found: {tmp_path}"
+    (tmp_path / "bad.yaml").write_text("a: [1\n")
+    assert err(load_yaml, tmp_path / "bad.yaml").startswith(f"{tmp_path / 'bad.yaml'}: not valid YAML: ")
+    (tmp_path / "list.yaml").write_text("- 1\n- 2\n")
+    assert err(load_yaml, tmp_path / "list.yaml") == f"{tmp_path / 'list.yaml'}: top level must be a mapping, got list"
+    (tmp_path / "str.yaml").write_text("hello\n")
+    assert err(load_yaml, tmp_path / "str.yaml").endswith("top level must be a mapping, got str")
+
+
+def test_profile_path(configs_dir, tmp_path):
+    assert profile_path("toy", "demo") == configs_dir / "toy" / "demo.yaml"
+    assert profile_path("toy", "production") == configs_dir / "toy" / "production.yaml"
+    assert profile_path("toy", "elsewhere/x.yaml") == Path("elsewhere/x.yaml")  # a path, not a name
+    assert profile_path("other", "y.yml") == Path("y.yml")
+    assert err(profile_path, "toy", "prod") == "no profile 'prod' for job 'toy'; available: demo, production"
+    assert err(profile_path, "nojob", "demo") == "no profile 'demo' for job 'nojob'; available: none"
+    # a .yml/.yaml suffix makes it a path, whose existence is checked when it is loaded
+    assert profile_path("toy", "production.yml") == Path("production.yml")
+    assert err(parse_args, Job, "toy", ["--profile=missing.yml"]) == "config file not found: missing.yml"
+
+
+def test_parse_args_layers(configs_dir, tmp_path):
+    assert parse_args(Job, "toy", [], default_profile="") == Job()
+    cfg = parse_args(Job, "toy", [])  # default profile demo
+    assert (cfg.steps, cfg.model.hidden, cfg.lr) == (3, 8, 3e-4)
+    cfg = parse_args(Job, "toy", ["--profile=production"])
+    assert (cfg.steps, cfg.lr, cfg.model.hidden) == (1000, 1e-5, 16)
+    own = tmp_path / "own.yaml"
+    own.write_text("steps: 7\nmodel: {act: relu}\nlayers: [9]\n")
+    # overrides win over the profile wherever --profile appears
+    cfg = parse_args(Job, "toy", ["--steps=8", f"--profile={own}", "--model.hidden=2", "--tags=x,y"])
+    assert (cfg.steps, cfg.model.hidden, cfg.model.act, cfg.layers, cfg.tags) == (8, 2, "relu", [9], ["x", "y"])
+    assert parse_args(Job, "toy", ["--profile=", "--label=a=b"]) == Job(label="a=b")
+    assert parse_args(Job, "toy", ["--profile=demo", "--profile=production"]).steps == 1000
+    cfg = parse_args(Job, "toy", ["--steps=1", "--steps=2"], default_profile="production")
+    assert (cfg.steps, cfg.lr) == (2, 1e-5)
+
+
+def test_parse_args_reads_sys_argv(configs_dir, monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["jobs/toy.py", "--steps=4"])
+    assert parse_args(Job, "toy").steps == 4
+    monkeypatch.setattr(sys, "argv", ["jobs/toy.py"])
+    assert parse_args(Job, "toy").steps == 3
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["steps=3"], "arguments look like --section.key=value, got 'steps=3'"),
+    (["--steps"], "arguments look like --section.key=value, got '--steps'"),
+    (["-steps=3"], "arguments look like --section.key=value, got '-steps=3'"),
+    (["--stpes=3"], "unknown config key 'stpes' (did you mean 'steps'?)"),
+    (["--profile=nope"], "no profile 'nope' for job 'toy'; available: demo, production"),
+])
+def test_parse_args_errors(configs_dir, argv, message):
+    assert err(parse_args, Job, "toy", argv).startswith(message)
+
+
+def test_yaml_profile_errors(tmp_path):
+    p = tmp_path / "p.yaml"
+    p.write_text("model:\n  hiden: 3\n")
+    assert err(parse_args, Job, "toy", [f"--profile={p}"]).startswith(
+        "unknown config key 'model.hiden' (did you mean 'hidden'?)")
+    p.write_text("lr: fast\n")
+    assert err(parse_args, Job, "toy", [f"--profile={p}"]) == "lr: expected float, got str 'fast'"
+
+
+# ---------------------------------------------------------------------------
+# --help
+
+
+HELP = """\
+usage: python jobs/toy.py [--profile=NAME|FILE.yaml] [--section.key=value ...]
+profiles: demo, production (default: demo)
+
+[run] Run root and seed.
+  --run.root="{root}"  (str)
+      Run root: outputs go to <root>/<job>/<config hash>/ (env OSVL_RUN_ROOT sets the default).
+  --run.seed=0  (int)
+      Global random seed (Python, NumPy, torch, and per-shard seeds derive from it).
+  --run.name=""  (str)
+      Optional run name; when set it replaces the config hash as the folder name.
+[model] The model.
+  --model.hidden=16  (int)
+      Hidden size.
+  --model.dropout=0.1  (float)
+      Dropout probability.
+  --model.act="gelu"  (one of 'gelu', 'relu')
+      Activation.
+  --model.cache=""  (str)
+      Where to cache (does not change results).
+[big] A second, bigger model.
+  --big.hidden=64  (int)
+      Hidden size.
+  --big.dropout=0.1  (float)
+      Dropout probability.
+  --big.act="gelu"  (one of 'gelu', 'relu')
+      Activation.
+  --big.cache=""  (str)
+      Where to cache (does not change results).
+  --lr=0.0003  (float)
+      Learning rate.
+  --steps=10  (int)
+      Training steps.
+  --use_kl=true  (bool)
+      Use a KL term.
+  --label="demo"  (str)
+      Experiment label.
+  --limit=null  (int | None)
+      Optional cap.
+  --note="x"  (str | None)
+      Optional note.
+  --mode="vanilla"  (one of 'vanilla', 'fatal_mask')
+      Loss mode.
+  --level=1  (one of 1, 2)
+      Level.
+  --layers=[1, 2]  (list[int])
+      Layer ids.
+  --tags=[]  (list[str])
+      Tags.
+  --weights={{"a": 1.0}}  (dict[str, float])
+      Weights.
+  --either=0  (int | str)
+      An int or a name.
+  --extra=null  (Any)
+      Anything.
+  --workers=2  (int)
+      Worker count."""
+
+
+@pytest.mark.parametrize("flag", ["--help", "-h"])
+def test_help_lists_every_field(configs_dir, capsys, flag):
+    with pytest.raises(SystemExit) as info:
+        parse_args(Job, "toy", ["--steps=notanint", flag])
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    assert out == HELP.format(root=C.DEFAULT_RUN_ROOT) + "\n"
+    assert format_help(Job, "toy") == out[:-1]
+
+
+def test_help_without_profiles_or_job(configs_dir):
+    text = format_help(RunConfig, "nojob")
+    assert text.startswith("usage: python jobs/nojob.py [--profile=NAME|FILE.yaml] [--section.key=value ...]\n\n"
+                           "  --root=")
+    assert format_help(RunConfig).startswith("usage: python jobs/.py [--profile")
+    assert "profiles:" not in format_help(Job)
+    shown = format_help(Model, prefix="m.", defaults=Model(hidden=5))
+    assert shown.startswith("  --m.hidden=5  (int)\n      Hidden size.\n  --m.dropout=0.1")
+
+
+# ---------------------------------------------------------------------------
+# hashing and run folders
+
+
+def test_config_hash_is_pinned_and_skips_unhashed_fields(tmp_path):
+    base = Job()
+    h = config_hash(base)
+    assert h == "e63b2ac71dcc"  # a change here re-keys every run folder: do it on purpose
+    assert len(h) == 12 and int(h, 16) >= 0
+    same = [Job(workers=9), Job(run=RunConfig(root=str(tmp_path), name="x")), Job(model=Model(cache="/tmp/c"))]
+    assert all(config_hash(c) == h for c in same)
+    changed = [Job(lr=1e-3), Job(run=RunConfig(seed=1)), Job(model=Model(hidden=17)), Job(layers=[2, 1]),
+               Job(weights={"a": 1.0, "b": 0.0}), Job(mode="fatal_mask"), Job(limit=0), Job(note=None)]
+    hashes = {config_hash(c) for c in changed}
+    assert h not in hashes and len(hashes) == len(changed)
+    assert config_hash(Job(extra=Path("p"))) == config_hash(Job(extra="p"))  # non-JSON values hash as str
+    assert C._hashed_dict(Job())["run"] == {"seed": 0}
+    assert "workers" not in C._hashed_dict(Job()) and "cache" not in C._hashed_dict(Job())["model"]
+    assert config_hash(Job(weights={"b": 1.0, "a": 2.0})) == config_hash(Job(weights={"a": 2.0, "b": 1.0}))
+
+
+def test_run_dir_saves_config(tmp_path):
+    cfg = Job(run=RunConfig(root=str(tmp_path / "runs")), steps=4)
+    path = run_dir(cfg, "toy")
+    assert path == tmp_path / "runs" / "toy" / config_hash(cfg) and path.is_dir()
+    text = (path / "config.yaml").read_text()
+    assert text == dump(cfg) and text.startswith("run:\n  root: ")
+    assert from_dict(Job, load_yaml(path / "config.yaml")) == cfg
+    assert yaml.safe_load(text) == to_dict(cfg)
+    assert run_dir(cfg, "toy") == path  # reruns find the same folder
+    named = Job(run=RunConfig(root=str(tmp_path / "runs"), name="mine"))
+    assert run_dir(named, "toy") == tmp_path / "runs" / "toy" / "mine"
+    assert (tmp_path / "runs" / "toy" / "mine" / "config.yaml").is_file()
+
+
+def test_to_dict_and_dump():
+    d = to_dict(Job())
+    assert list(d)[:4] == ["run", "model", "big", "lr"]
+    assert d["model"] == {"hidden": 16, "dropout": 0.1, "act": "gelu", "cache": ""}
+    text = dump(Job(lr=1e-6))
+    assert yaml.safe_load(text)["lr"] == 1e-6 and text.index("model:") < text.index("lr:")
