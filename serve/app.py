@@ -62,6 +62,8 @@ class ServeConfig:
     max_body_bytes: int = opt(32 * 2**20, "Largest HTTP request body, in bytes (413 above).")
     max_pixels: int = opt(MAX_PIXELS, "Largest image (input or output) in pixels (413 above).")
     timeout_s: float = opt(60.0, "Per-call deadline at the ingress, in seconds (504 after).")
+    options: dict[str, str] = opt({}, "Backend options handed to every tool in ToolContext.options "
+                                  "(e.g. edsr_weights: path of an EDSR checkpoint).")
     token_env: str = opt("OSVL_TOOLS_TOKEN", "Environment variable holding the bearer token; "
                          "when it is set where the app is built, every /v1 call must carry it.")
 
@@ -76,6 +78,7 @@ class _ToolReplica:
     def __init__(self, tool: Tool, cfg: dict[str, Any]) -> None:
         self.tool = tool
         self.cfg = from_dict(ServeConfig, cfg)
+        self.options: dict[str, Any] = dict(self.cfg.options)
         self.in_flight = 0
         try:
             self.replica = serve.get_replica_context().replica_id.unique_id
@@ -83,25 +86,28 @@ class _ToolReplica:
             self.replica = "local"
         self._lock = threading.Lock()
 
-    def _run(self, arguments: Any, images: Any, new_image_name: str) -> ToolResult:
+    def _in_flight(self, delta: int) -> None:
+        from osvl import metrics
+
+        with self._lock:
+            self.in_flight += delta
+            metrics.metric(metrics.TOOL_IN_FLIGHT).set(self.in_flight, {"tool": self.tool.name,
+                                                                         "replica": self.replica})
+
+    def _run(self, arguments: Any, images: Any, new_image_name: str, options: dict[str, Any] | None = None
+             ) -> ToolResult:
         from osvl import metrics
 
         start = time.perf_counter()
-        with self._lock:
-            self.in_flight += 1
-            metrics.metric(metrics.TOOL_IN_FLIGHT).set(self.in_flight, {"tool": self.tool.name,
-                                                                         "replica": self.replica})
+        self._in_flight(1)
         try:
             if not isinstance(images, dict) or not isinstance(new_image_name, str):
                 result = ToolResult.fail("invalid_call", "images must map names to arrays, new_image_name a str")
             else:
-                ctx = ToolContext(images, new_image_name, self.cfg.max_pixels)
+                ctx = ToolContext(images, new_image_name, self.cfg.max_pixels, options or self.options)
                 result = call_tool(self.tool, arguments, ctx)
         finally:
-            with self._lock:
-                self.in_flight -= 1
-                metrics.metric(metrics.TOOL_IN_FLIGHT).set(self.in_flight, {"tool": self.tool.name,
-                                                                             "replica": self.replica})
+            self._in_flight(-1)
         status = "ok" if result.ok else result.error.kind
         metrics.metric(metrics.TOOL_REQUESTS).inc(1, {"tool": self.tool.name, "status": status})
         metrics.metric(metrics.TOOL_LATENCY).observe(time.perf_counter() - start, _tags(self.tool.name))
@@ -111,37 +117,134 @@ class _ToolReplica:
 @serve.deployment(ray_actor_options={"num_cpus": 0.1}, max_ongoing_requests=8,
                   autoscaling_config={"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 4})
 class ToolDeployment(_ToolReplica):
-    """One tool, one call at a time per request; the work runs in a thread so the replica stays responsive."""
+    """One tool, one call per request; the work runs in a thread so the replica keeps accepting requests."""
 
     async def __call__(self, arguments: Any, images: Any, new_image_name: str = "") -> ToolResult:
         return await asyncio.to_thread(self._run, arguments, images, new_image_name)
 
 
+def _load_edsr(options: dict[str, Any]) -> Any:
+    from osvl.tools.super_resolution import DEFAULT_WEIGHTS, load_model
+
+    return load_model(options.get("edsr_weights", DEFAULT_WEIGHTS))
+
+
+BATCH_MODELS = {"super_resolution": ("edsr", _load_edsr)}
+"""Tools whose batches share one forward pass: tool -> (the ``ctx.options`` key the tool reads its
+model from, a loader). Other batched tools (OCR: rapidocr has no batch API) run a batch's calls in
+parallel threads, which still caps the replica's concurrency at one batch."""
+
+
+class _Coalescer:
+    """Stands in for a torch model during one batch and merges the batch's forward passes into one.
+
+    Each request of a ``@serve.batch`` batch runs the unchanged tool function in its own thread
+    (validation, naming and error typing stay the tool's); the tool calls ``model(x)`` with a
+    ``(1, C, H, W)`` tensor. The coalescer holds those calls until every request of the batch has
+    either called the model or finished without it, then concatenates inputs of equal shape and runs
+    the real model once per shape. Why not a batch function per tool: the tool's own code path is
+    the one tested, and any torch-model tool gets batching by naming its option key.
+    """
+
+    def __init__(self, model: Any, parties: int) -> None:
+        self._model = model
+        self._parties = parties  # request threads that have neither called the model nor left
+        self._waiting: list[list[Any]] = []  # [input, output or exception or None]
+        self._cv = threading.Condition()
+        self._local = threading.local()
+
+    def __getattr__(self, name: str) -> Any:  # upscale, meta, ...: the model's own attributes
+        return getattr(self._model, name)
+
+    def __call__(self, x: Any) -> Any:
+        self._local.called = True
+        slot = [x, None]
+        with self._cv:
+            self._waiting.append(slot)
+            self._parties -= 1
+            self._flush_if_ready()
+            while slot[1] is None:
+                self._cv.wait()
+        if isinstance(slot[1], BaseException):
+            raise slot[1]
+        return slot[1]
+
+    def leave(self) -> None:
+        """Called by each request thread when its tool call returns."""
+        if getattr(self._local, "called", False):
+            return
+        with self._cv:
+            self._parties -= 1
+            self._flush_if_ready()
+
+    def _flush_if_ready(self) -> None:  # holds self._cv
+        if self._parties > 0 or not self._waiting:
+            return
+        import torch
+
+        groups: dict[tuple, list[list[Any]]] = {}
+        for slot in self._waiting:
+            groups.setdefault((tuple(slot[0].shape[1:]), slot[0].dtype), []).append(slot)
+        for slots in groups.values():
+            try:
+                with torch.inference_mode():
+                    out = self._model(torch.cat([s[0] for s in slots]))
+                sizes = [s[0].shape[0] for s in slots]
+                for s, y in zip(slots, torch.split(out, sizes), strict=True):
+                    s[1] = y
+            except Exception as e:  # noqa: BLE001 - every caller of the failed forward gets the error
+                for s in slots:
+                    s[1] = e
+        self._waiting = []
+        self._cv.notify_all()
+
+
 @serve.deployment(ray_actor_options={"num_cpus": 0.1}, max_ongoing_requests=32,
                   autoscaling_config={"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 16})
 class BatchedToolDeployment(_ToolReplica):
-    """A model-backed tool (EDSR, OCR): concurrent requests are grouped and run as one batch.
+    """A model-backed tool (EDSR, OCR): concurrent requests are grouped by ``@serve.batch``.
 
-    A tool opts into real batching by registering a ``batch_fn(ctxs, arguments_list)
-    -> list[ToolResult]`` in ``osvl.tools.base``'s module namespace of its own module
-    (see ``_batch_fn``); without one the batch runs its calls back to back in one
-    thread hop, which still saves the per-call scheduling.
+    For tools in ``BATCH_MODELS`` the replica loads the model once and each batch runs one forward
+    pass per input size (``_Coalescer``); a model that cannot load (weights missing) is left to the
+    tool, which answers each call ``unavailable`` with the reason.
     """
 
     def __init__(self, tool: Tool, cfg: dict[str, Any]) -> None:
         super().__init__(tool, cfg)
+        from concurrent.futures import ThreadPoolExecutor
+
         self._batch.set_max_batch_size(self.cfg.max_batch_size)
         self._batch.set_batch_wait_timeout_s(self.cfg.batch_wait_timeout_s)
+        # one thread per request of a batch: the coalescer waits for all of them, so fewer would deadlock
+        self._pool = ThreadPoolExecutor(max_workers=self.cfg.max_batch_size)
+        self._model_key, self._model = "", None
+        if tool.name in BATCH_MODELS:
+            key, loader = BATCH_MODELS[tool.name]
+            try:
+                self._model_key, self._model = key, loader(self.options)
+            except Exception:  # noqa: BLE001 - the tool itself reports why, per call
+                self._model = None
 
     async def __call__(self, arguments: Any, images: Any, new_image_name: str = "") -> ToolResult:
         return await self._batch((arguments, images, new_image_name))
+
+    def _run_one(self, request: tuple[Any, Any, str], coalescer: _Coalescer | None) -> ToolResult:
+        if coalescer is None:
+            return self._run(*request)
+        try:
+            return self._run(*request, options={**self.options, self._model_key: coalescer})
+        finally:
+            coalescer.leave()
 
     @serve.batch(max_batch_size=8, batch_wait_timeout_s=0.01)
     async def _batch(self, requests: list[tuple[Any, Any, str]]) -> list[ToolResult]:
         from osvl import metrics
 
         metrics.metric(metrics.TOOL_BATCH_SIZE).observe(len(requests), _tags(self.tool.name))
-        return await asyncio.to_thread(lambda: [self._run(*r) for r in requests])
+        coalescer = None if self._model is None else _Coalescer(self._model, len(requests))
+        loop = asyncio.get_running_loop()
+        return list(await asyncio.gather(*[loop.run_in_executor(self._pool, self._run_one, r, coalescer)
+                                           for r in requests]))
 
 
 # ---------------------------------------------------------------------------
