@@ -1,0 +1,99 @@
+"""Generate the Grafana dashboards from ``osvl.metrics.SPECS``.
+
+Why generated: every metric osvl exports is declared once in ``osvl/metrics.py``;
+deriving the panels from those specs means a new metric gets a panel and a
+renamed one cannot leave a dead panel behind (``tests/test_dashboards.py`` checks
+that the committed JSON equals what this script writes).
+
+One dashboard per metric area (the second word of the name: ``osvl_tool_*`` ->
+``osvl-tool.json``). Panel queries by kind:
+- counter: per-second rate, summed by the metric's tags;
+- gauge: current value, summed by tags;
+- histogram: p50 and p99 over 5 minutes, by the first tag.
+
+    python dashboards/build.py          # rewrite dashboards/osvl-*.json
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+
+from osvl.metrics import SPECS, MetricSpec, prometheus_name  # noqa: E402  (needs the sys.path line)
+
+
+def _targets(spec: MetricSpec) -> list[dict]:
+    name = prometheus_name(spec)
+    by = ", ".join(spec.tag_keys)
+    legend = " ".join("{{" + t + "}}" for t in spec.tag_keys) or spec.name
+    if spec.kind == "counter":
+        expr = f"sum by ({by}) (rate({name}[1m]))" if by else f"sum(rate({name}[1m]))"
+        return [{"expr": expr, "legendFormat": legend, "refId": "A"}]
+    if spec.kind == "gauge":
+        expr = f"sum by ({by}) ({name})" if by else f"sum({name})"
+        return [{"expr": expr, "legendFormat": legend, "refId": "A"}]
+    first = spec.tag_keys[0] if spec.tag_keys else None
+    group = f"le, {first}" if first else "le"
+    out = []
+    for ref, q in (("A", 0.5), ("B", 0.99)):
+        expr = f"histogram_quantile({q}, sum by ({group}) (rate({name}_bucket[5m])))"
+        legend = (f"p{int(q * 100)} {{{{{first}}}}}" if first else f"p{int(q * 100)}")
+        out.append({"expr": expr, "legendFormat": legend, "refId": ref})
+    return out
+
+
+def _unit(spec: MetricSpec) -> str:
+    if spec.name.endswith("_seconds"):
+        return "s"
+    if spec.name.endswith("_bytes"):
+        return "bytes"
+    return "short"
+
+
+def dashboard(area: str, specs: list[MetricSpec]) -> dict:
+    panels = []
+    for i, spec in enumerate(specs):
+        panels.append({
+            "id": i + 1,
+            "type": "timeseries",
+            "title": spec.name,
+            "description": spec.description,
+            "datasource": {"type": "prometheus", "uid": "${datasource}"},
+            "gridPos": {"h": 8, "w": 12, "x": 12 * (i % 2), "y": 8 * (i // 2)},
+            "fieldConfig": {"defaults": {"unit": _unit(spec)}, "overrides": []},
+            "targets": _targets(spec),
+        })
+    return {
+        "uid": f"osvl-{area}",
+        "title": f"osvl / {area}",
+        "tags": ["osvl"],
+        "schemaVersion": 39,
+        "time": {"from": "now-1h", "to": "now"},
+        "refresh": "10s",
+        "templating": {"list": [{"name": "datasource", "type": "datasource", "query": "prometheus"}]},
+        "panels": panels,
+    }
+
+
+def build() -> dict[str, dict]:
+    """File name -> dashboard JSON, for every metric area."""
+    areas: dict[str, list[MetricSpec]] = {}
+    for spec in SPECS.values():
+        areas.setdefault(spec.name.split("_")[1], []).append(spec)
+    return {f"osvl-{area}.json": dashboard(area, specs) for area, specs in sorted(areas.items())}
+
+
+def main() -> None:
+    for old in HERE.glob("osvl-*.json"):
+        old.unlink()
+    for name, board in build().items():
+        (HERE / name).write_text(json.dumps(board, indent=2) + "\n")
+        print(f"wrote dashboards/{name} ({len(board['panels'])} panels)")
+
+
+if __name__ == "__main__":
+    main()
