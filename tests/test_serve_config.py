@@ -1,0 +1,54 @@
+"""serve/config.yaml and its GPU overlay: valid for Serve's CLI, in sync with serve/app.py."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import yaml
+
+from osvl.config import from_dict
+
+REPO = Path(__file__).resolve().parents[1]
+TOOL_NAMES = ["crop", "sharpen", "super_resolution", "perspective_correct", "ocr", "text_search", "image_search"]
+
+
+def load(name: str) -> dict:
+    return yaml.safe_load((REPO / "serve" / name).read_text())
+
+
+@pytest.mark.parametrize("name", ["config.yaml", "config.gpu.yaml"])
+def test_config_is_a_valid_serve_deploy_config_for_this_app(name):
+    from ray.serve.schema import ServeDeploySchema
+
+    from serve.app import APP_NAME, ServeConfig
+
+    cfg = load(name)
+    ServeDeploySchema.model_validate(cfg)  # what `serve deploy` / `serve run` check
+    assert cfg["http_options"]["host"] == "127.0.0.1"
+    (app,) = cfg["applications"]
+    assert app["name"] == APP_NAME and app["import_path"] == "serve.app:build_app"
+    args = from_dict(ServeConfig, app["args"])  # every key is a ServeConfig field of the right type
+    assert set(args.batched) == {"super_resolution", "ocr"}
+    names = [d["name"] for d in app["deployments"]]
+    assert sorted(names) == sorted(["api"] + ["tool_" + t for t in TOOL_NAMES])
+    for d in app["deployments"]:
+        auto = d["autoscaling_config"]
+        assert 1 <= auto["min_replicas"] <= auto["max_replicas"]
+        assert 0 < auto["target_ongoing_requests"] <= d["max_ongoing_requests"]
+    sr = next(d for d in app["deployments"] if d["name"] == "tool_super_resolution")
+    assert sr["max_ongoing_requests"] >= args.max_batch_size  # a batch must be able to fill
+
+
+def test_gpu_overlay_only_moves_edsr_to_a_gpu_share():
+    cpu, gpu = load("config.yaml"), load("config.gpu.yaml")
+    gpu_sr = next(d for d in gpu["applications"][0]["deployments"] if d["name"] == "tool_super_resolution")
+    assert 0 < gpu_sr["ray_actor_options"]["num_gpus"] < 1
+    for cfg in (cpu, gpu):  # drop what may differ, the rest must be equal
+        app = cfg["applications"][0]
+        app["args"].pop("max_batch_size")
+        app["deployments"] = [d for d in app["deployments"] if d["name"] != "tool_super_resolution"]
+    assert gpu == cpu
+    assert not any("num_gpus" in d.get("ray_actor_options", {}) for d in copy.deepcopy(cpu)["applications"][0][
+        "deployments"])
