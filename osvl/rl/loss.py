@@ -1,0 +1,158 @@
+"""Fatal-aware GRPO as pure tensor functions: rewards, group advantages, the clamp, the loss.
+
+The precise math is ARCHITECTURE.md's "Fatal-aware GRPO". For a group of G
+trajectories of one question:
+
+    r_i   = r_fmt,i · (α·r_acc,i + (1−α)·r_query,i)      r_acc = 0 when fatal
+    r̃_i   = (r_i − mean_G r) / (std_G r + δ)             over all G, fatal included
+    Â_i   = r̃_i, or max(r̃_i, 0) for a fatal i            (the one-sided clamp)
+    J     = Σ_i w_i (1/Σ_t M_it) Σ_t M_it · min(ρ Â, clip(ρ, 1−ε_low, 1+ε_high) Â) − β·KL_k3
+
+with w_i = 1/G (the paper's aggregation). The four ablation modes differ only
+in three switches (``MODES``): whether post-fatal tokens are masked, whether a
+fatal trajectory is dropped after the group statistics, and whether the clamp is
+applied. Keeping them as data makes the per-mode table testable.
+
+Shapes: B trajectories (several groups may share a batch), T tokens. ``group``
+is a (B,) long tensor of group ids.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Mode:
+    mask_post_fatal: bool
+    drop_fatal: bool
+    clamp_fatal: bool
+
+
+MODES: dict[str, Mode] = {
+    "vanilla": Mode(mask_post_fatal=False, drop_fatal=False, clamp_fatal=False),
+    "hard_mask": Mode(mask_post_fatal=False, drop_fatal=True, clamp_fatal=False),
+    "fatal_mask": Mode(mask_post_fatal=True, drop_fatal=False, clamp_fatal=False),
+    "fatal_mask_clamp": Mode(mask_post_fatal=True, drop_fatal=False, clamp_fatal=True),
+}
+
+AGGREGATIONS = ("seq_mean_token_mean", "token_mean", "seq_mean_token_sum")
+
+
+def combine_rewards(r_fmt: torch.Tensor, r_acc: torch.Tensor, r_query: torch.Tensor, fatal: torch.Tensor,
+                    alpha: float = 0.8) -> torch.Tensor:
+    """r = r_fmt·(α·r_acc + (1−α)·r_query), with r_acc forced to 0 on fatal trajectories.
+
+    r_fmt and r_query must already be computed on the pre-fatal prefix (the agent's
+    scorer does that); this function only combines.
+    """
+    r_acc = torch.where(fatal, torch.zeros_like(r_acc), r_acc)
+    return r_fmt * (alpha * r_acc + (1.0 - alpha) * r_query)
+
+
+def group_advantages(rewards: torch.Tensor, group: torch.Tensor, baseline: str = "grpo",
+                     eps: float = 1e-6, unbiased: bool = True) -> torch.Tensor:
+    """Normalised advantages within each group.
+
+    ``grpo``: (r − mean)/(std + δ) with the unbiased std by default. ``rloo``: r minus
+    the mean of the *other* members (the released code's leave-one-out baseline).
+    A singleton group gets advantage 0 (no comparison is possible), and a group of
+    identical rewards gets 0 everywhere (std 0, numerator 0).
+    """
+    if baseline not in ("grpo", "rloo"):
+        raise ValueError(f"baseline must be 'grpo' or 'rloo', got {baseline!r}")
+    adv = torch.zeros_like(rewards, dtype=torch.float32)
+    for g in torch.unique(group):
+        idx = (group == g).nonzero(as_tuple=True)[0]
+        r = rewards[idx].to(torch.float32)
+        n = r.numel()
+        if n == 1:
+            continue
+        if baseline == "grpo":
+            std = r.std(unbiased=unbiased)
+            adv[idx] = (r - r.mean()) / (std + eps)
+        else:
+            adv[idx] = r - (r.sum() - r) / (n - 1)
+    return adv
+
+
+def apply_mode(adv: torch.Tensor, fatal: torch.Tensor, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-trajectory (advantage, loss weight multiplier) after the group statistics.
+
+    The clamp and the drop come *after* normalisation over all G, so fatal
+    trajectories still shape the baseline that the others are judged against.
+    """
+    m = MODES[mode]
+    weight = torch.ones_like(adv)
+    if m.clamp_fatal:
+        adv = torch.where(fatal, adv.clamp(min=0.0), adv)
+    if m.drop_fatal:
+        weight = torch.where(fatal, torch.zeros_like(weight), weight)
+    return adv, weight
+
+
+def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    """Schulman's low-variance, non-negative KL estimator: exp(r) − r − 1 with r = ref − logp."""
+    r = ref_logp - logp
+    return torch.exp(r) - r - 1.0
+
+
+@dataclass
+class LossOutput:
+    loss: torch.Tensor
+    policy_loss: torch.Tensor
+    kl: torch.Tensor
+    clip_fraction: torch.Tensor
+    mask_coverage: torch.Tensor  # share of generated tokens that receive gradient
+
+
+def _aggregate(x: torch.Tensor, mask: torch.Tensor, weight: torch.Tensor, how: str) -> torch.Tensor:
+    """Reduce a (B, T) per-token quantity to a scalar; an all-masked trajectory contributes 0.
+
+    The divisor of the sequence aggregations is B (1/G per group, averaged over
+    equal-sized groups), *not* the number of surviving trajectories: dropping or
+    fully masking a trajectory must not scale up the others' gradients.
+    """
+    if how == "token_mean":
+        w = mask * weight.unsqueeze(1)
+        return (x * w).sum() / w.sum().clamp(min=1.0)
+    tok_sum = (x * mask).sum(dim=1)
+    if how == "seq_mean_token_mean":
+        per_traj = tok_sum / mask.sum(dim=1).clamp(min=1.0)
+    elif how == "seq_mean_token_sum":
+        per_traj = tok_sum
+    else:
+        raise ValueError(f"aggregation must be one of {AGGREGATIONS}, got {how!r}")
+    return (per_traj * weight).sum() / x.shape[0]
+
+
+def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor,
+                weight: torch.Tensor | None = None, *, eps_low: float = 0.2, eps_high: float = 0.28,
+                ref_logp: torch.Tensor | None = None, beta: float = 0.0,
+                aggregation: str = "seq_mean_token_mean", gen_mask: torch.Tensor | None = None) -> LossOutput:
+    """The clipped surrogate (to *minimise*: the negative of J) with optional k3 KL.
+
+    logp: (B, T) current policy log-probs of the taken tokens; old_logp: the
+    behaviour log-probs recorded at rollout (the importance ratio uses them, not a
+    recomputation); adv: (B,); mask: (B, T) the training mask M; weight: (B,) loss
+    weight from ``apply_mode`` (zeros drop a trajectory).
+    """
+    mask = mask.to(torch.float32)
+    weight = torch.ones_like(adv) if weight is None else weight
+    ratio = torch.exp(logp - old_logp)
+    a = adv.unsqueeze(1)
+    surr = torch.minimum(ratio * a, ratio.clamp(1.0 - eps_low, 1.0 + eps_high) * a)
+    pg = -_aggregate(surr, mask, weight, aggregation)
+    if ref_logp is not None and beta > 0:
+        kl = _aggregate(kl_k3(logp, ref_logp), mask, weight, aggregation)
+    else:
+        kl = torch.zeros((), dtype=logp.dtype)
+    clipped = ((ratio < 1.0 - eps_low) | (ratio > 1.0 + eps_high)).to(torch.float32)
+    with torch.no_grad():
+        clip_frac = (clipped * mask).sum() / mask.sum().clamp(min=1.0)
+        gm = mask if gen_mask is None else gen_mask.to(torch.float32)
+        coverage = mask.sum() / gm.sum().clamp(min=1.0)
+    return LossOutput(loss=pg + beta * kl, policy_loss=pg.detach(), kl=kl.detach(), clip_fraction=clip_frac,
+                      mask_coverage=coverage)
