@@ -289,6 +289,9 @@ def _answer(result: ToolResult) -> JSONResponse:
     return JSONResponse(result_to_wire(result), status_code=code)
 
 
+SWALLOW_FACTOR = 4
+
+
 def _unauthorized() -> JSONResponse:
     result = ToolResult.fail("invalid_call", "missing or wrong bearer token")
     return JSONResponse(result_to_wire(result), status_code=401, headers={"WWW-Authenticate": "Bearer"})
@@ -315,15 +318,22 @@ class ToolAPI:
         return hmac.compare_digest(digest, self.token_sha256)
 
     async def _read_body(self, request: Request) -> bytes:
-        declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.cfg.max_body_bytes:
-            raise InvalidCall(f"body of {declared} bytes exceeds the limit of {self.cfg.max_body_bytes}", limit=True)
+        """The body, or ``InvalidCall(limit=True)`` past ``max_body_bytes``.
+
+        An oversized body is still read (and dropped) up to ``SWALLOW_FACTOR`` times the limit
+        before the 413 goes out: answering mid-upload resets the connection, and simple clients
+        (curl, urllib) then report a reset instead of the 413. Beyond that we stop reading.
+        """
+        limit = self.cfg.max_body_bytes
         chunks, size = [], 0
         async for chunk in request.stream():  # chunked uploads have no content-length to trust
             size += len(chunk)
-            if size > self.cfg.max_body_bytes:
-                raise InvalidCall(f"body exceeds the limit of {self.cfg.max_body_bytes} bytes", limit=True)
-            chunks.append(chunk)
+            if size <= limit:
+                chunks.append(chunk)
+            elif size > SWALLOW_FACTOR * limit:
+                break
+        if size > limit:
+            raise InvalidCall(f"body of {size}+ bytes exceeds the limit of {limit}", limit=True)
         return b"".join(chunks)
 
     def _parse(self, raw: bytes) -> tuple[Any, dict[str, Any], str]:

@@ -1,0 +1,249 @@
+"""The tool API over real HTTP: one Serve app with every registered tool, shared by this module.
+
+Every tool is called through ``osvl.tools.client`` (HTTP transport) on real photos and checked
+against the same references the tool engineers use at function level; then a bad-input suite
+sends malformed requests with a raw HTTP client and checks for typed 4xx answers, never a 5xx,
+with the app still healthy afterwards. Handle calls (no HTTP) and auth are checked too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import math
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+from test_client import bomb_png
+
+from osvl.tools.client import HandleTransport, HttpTransport, ToolClient, encode_image
+
+pytestmark = pytest.mark.slow
+
+
+def read_rgb(path: Path) -> np.ndarray:
+    from PIL import Image
+
+    with Image.open(path) as im:
+        return np.asarray(im.convert("RGB"))
+
+
+@pytest.fixture(scope="module")
+def api(ray_cluster):
+    """Base URL of a fresh Serve app with every registered tool (Serve shut down afterwards)."""
+    from ray import serve
+
+    from osvl.cluster import start_serve
+    from serve.app import APP_NAME, build_app
+
+    port = start_serve()
+    serve.run(build_app({}), name=APP_NAME, route_prefix="/")
+    yield f"http://127.0.0.1:{port}"
+    serve.shutdown()
+
+
+def call(api: str, name: str, arguments, images=None, **kw):
+    async def run():
+        async with ToolClient(HttpTransport(api), timeout_s=120, **kw) as client:
+            return await client.call(name, arguments, images or {})
+
+    return asyncio.run(run())
+
+
+def raw(url: str, data: bytes | None = None, headers: dict | None = None) -> tuple[int, dict]:
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json", **(headers or {})},
+                                 method="POST" if data is not None else "GET")
+    try:
+        with urllib.request.urlopen(req, timeout=120) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"null")
+
+
+def body(arguments, images: dict[str, np.ndarray] | None = None) -> bytes:
+    return json.dumps({"arguments": arguments,
+                       "images": {k: encode_image(v) for k, v in (images or {}).items()}}).encode()
+
+
+# ---------------------------------------------------------------------------
+# the API surface
+
+
+def test_health_tool_list_and_openapi(api):
+    status, health = raw(f"{api}/healthz")
+    assert status == 200 and health["status"] == "ok"
+    status, listing = raw(f"{api}/v1/tools")
+    names = [t["function"]["name"] for t in listing["tools"]]
+    assert status == 200 and set(names) == set(health["tools"])
+    assert {"crop", "sharpen", "super_resolution"} <= set(names)
+    for schema in listing["tools"]:
+        assert schema["type"] == "function" and schema["function"]["parameters"]["type"] == "object"
+    status, spec = raw(f"{api}/openapi.json")
+    assert status == 200 and spec["info"]["title"] == "osvl tool API"
+    post = spec["paths"]["/v1/tools/{name}"]["post"]
+    assert {"200", "413", "422", "503", "504"} <= set(post["responses"])
+    assert "images" in post["requestBody"]["content"]["application/json"]["schema"]["properties"]
+
+
+# ---------------------------------------------------------------------------
+# every tool on real photos
+
+
+def test_crop_is_exact(api, shared_data):
+    img = read_rgb(shared_data / "images" / "opencv" / "messi5.jpg")
+    r = call(api, "crop", {"image": "img_1", "x": 101, "y": 37, "width": 123, "height": 77}, {"img_1": img})
+    assert r.ok and r.text == "Cropped img_1 to 123x77 as img_2."
+    assert np.array_equal(r.images["img_2"], img[37:114, 101:224])
+
+
+def test_sharpen_matches_the_float64_scipy_reference(api, shared_data):
+    from osvl.tools.sharpen import unsharp_reference
+
+    img = read_rgb(shared_data / "images" / "opencv" / "text_defocus.jpg")
+    r = call(api, "sharpen", {"image": "img_1", "amount": 1.5, "sigma": 2.0}, {"img_1": img})
+    assert r.ok and r.images["img_2"].shape == img.shape
+    ref = unsharp_reference(img, 1.5, 2.0)
+    m = 3 * 4 * 2 + 1  # interior: one kernel radius in from each border
+    diff = np.abs(r.images["img_2"].astype(int) - ref.astype(int))[m:-m, m:-m]
+    assert diff.max() <= 1
+
+
+def test_super_resolution_is_x4_and_beats_bicubic_on_every_set5_image(api, shared_data):
+    from osvl.tools.super_resolution import bicubic_upscale, make_lr, modcrop, psnr_y
+
+    rows = []
+    for path in sorted((shared_data / "images" / "sr" / "Set5").glob("*.png")):
+        hr = modcrop(read_rgb(path), 4)
+        lr = make_lr(hr, 4)
+        if lr.shape[0] * lr.shape[1] > 128 * 128:  # keep the CPU call short: the central LR window
+            cy, cx = lr.shape[0] // 2 - 64, lr.shape[1] // 2 - 64
+            lr, hr = lr[cy:cy + 128, cx:cx + 128], hr[4 * cy:4 * cy + 512, 4 * cx:4 * cx + 512]
+        r = call(api, "super_resolution", {"image": "img_1"}, {"img_1": lr})
+        assert r.ok, r.text
+        sr = r.images["img_2"]
+        assert sr.shape == (lr.shape[0] * 4, lr.shape[1] * 4, 3)
+        rows.append((path.stem, psnr_y(sr, hr, 4), psnr_y(bicubic_upscale(lr, 4), hr, 4)))
+    assert len(rows) == 5
+    for name, edsr, bicubic in rows:
+        assert edsr > bicubic, f"{name}: EDSR {edsr:.2f} dB <= bicubic {bicubic:.2f} dB ({rows})"
+
+
+def test_handle_transport_gives_the_same_result_without_http(api, shared_data):
+    img = read_rgb(shared_data / "images" / "opencv" / "messi5.jpg")[:200, :300]
+
+    async def run():
+        client = ToolClient(HandleTransport(), timeout_s=60)
+        return (await client.call("sharpen", {"image": "img_1"}, {"img_1": img}),
+                await client.call("crop", {"image": "img_1", "x": 0, "y": 0, "width": 999, "height": 1},
+                                  {"img_1": img}),
+                await client.call("no_such_tool", {}, {}),
+                await client.schemas())
+
+    ok, oob, unknown, schemas = asyncio.run(run())
+    assert ok.ok and np.array_equal(ok.images["img_2"], call(api, "sharpen", {"image": "img_1"},
+                                                             {"img_1": img}).images["img_2"])
+    assert oob.error.kind == "invalid_call" and "out of bounds" in oob.text
+    assert unknown.error.kind == "invalid_call"
+    assert {s["function"]["name"] for s in schemas} >= {"crop", "sharpen"}
+
+
+# ---------------------------------------------------------------------------
+# bad input: typed 4xx, never a 5xx, the app stays healthy
+
+
+def _bad_requests(shared_data: Path) -> list[tuple[str, str, bytes, int]]:
+    img = read_rgb(shared_data / "images" / "opencv" / "messi5.jpg")[:64, :96]
+    good = encode_image(img)
+    crop = {"image": "img_1", "x": 0, "y": 0, "width": 10, "height": 10}
+    big_png = base64.b64encode(bomb_png(20_000, 20_000)).decode()
+    return [
+        ("invalid base64", "crop", json.dumps({"arguments": crop, "images": {"img_1": "@@not base64@@"}}).encode(),
+         422),
+        ("non-image bytes", "crop", json.dumps({"arguments": crop, "images": {
+            "img_1": base64.b64encode(b"%PDF-1.4 definitely not a picture").decode()}}).encode(), 422),
+        ("empty body", "crop", b"", 422),
+        ("not JSON", "crop", b"{\"arguments\": ", 422),
+        ("body is a list", "crop", b"[1, 2]", 422),
+        ("20000x20000 PNG", "crop", json.dumps({"arguments": crop, "images": {"img_1": big_png}}).encode(), 413),
+        ("crop out of bounds", "crop", body({**crop, "x": 90}, {"img_1": img}), 422),
+        ("negative width", "crop", body({**crop, "width": -5}, {"img_1": img}), 422),
+        ("NaN argument", "crop", json.dumps({"arguments": {**crop, "x": math.nan}, "images": {"img_1": good}}
+                                            ).encode(), 422),  # Python's json writes NaN, as sloppy clients do
+        ("NaN sigma", "sharpen", body({"image": "img_1", "sigma": "NaN"}, {"img_1": img}), 422),
+        ("negative amount", "sharpen", body({"image": "img_1", "amount": -1}, {"img_1": img}), 422),
+        ("string for int", "crop", body({**crop, "x": "10"}, {"img_1": img}), 422),
+        ("bool for int", "crop", body({**crop, "x": True}, {"img_1": img}), 422),
+        ("arguments is a list", "crop", json.dumps({"arguments": [1], "images": {}}).encode(), 422),
+        ("images is a list", "crop", json.dumps({"arguments": crop, "images": [good]}).encode(), 422),
+        ("image is a number", "crop", json.dumps({"arguments": crop, "images": {"img_1": 7}}).encode(), 422),
+        ("unknown image ref", "crop", body({**crop, "image": "img_5"}, {"img_1": img}), 422),
+        ("unknown argument", "crop", body({**crop, "zoom": 2}, {"img_1": img}), 422),
+        ("missing argument", "crop", body({"image": "img_1"}, {"img_1": img}), 422),
+        ("unknown body field", "crop", json.dumps({"arguments": crop, "imgs": {}}).encode(), 422),
+        ("unknown tool", "no_such_tool", body({}), 422),
+        ("oversized body", "crop", b"{\"arguments\": {}, \"pad\": \"" + b"x" * (33 * 2**20) + b"\"}", 413),
+    ]
+
+
+def test_bad_input_gets_typed_4xx_and_the_app_stays_healthy(api, shared_data):
+    failures = []
+    for why, tool, data, expected in _bad_requests(shared_data):
+        status, answer = raw(f"{api}/v1/tools/{tool}", data)
+        ok = (status == expected and answer["status"] == "error" and answer["error"]["kind"] == "invalid_call"
+              and answer["text"].startswith("Error (invalid_call): "))
+        if not ok:
+            failures.append((why, status, str(answer)[:200]))
+    assert not failures, failures
+    assert raw(f"{api}/healthz") == (200, {"status": "ok", "tools": raw(f"{api}/healthz")[1]["tools"]})
+    img = read_rgb(shared_data / "images" / "opencv" / "messi5.jpg")[:64, :96]
+    assert call(api, "crop", {"image": "img_1", "x": 0, "y": 0, "width": 8, "height": 8}, {"img_1": img}).ok
+
+
+def test_auth_token_is_required_when_configured(ray_cluster, api, shared_data, monkeypatch):
+    from ray import serve
+
+    from serve.app import build_app
+
+    monkeypatch.setenv("OSVL_TEST_TOKEN", "s3cret-token")
+    serve.run(build_app({"tools": ["crop"], "token_env": "OSVL_TEST_TOKEN"}), name="osvl_tools_auth",
+              route_prefix="/auth")
+    try:
+        img = read_rgb(shared_data / "images" / "opencv" / "messi5.jpg")[:32, :32]
+        data = body({"image": "img_1", "x": 0, "y": 0, "width": 4, "height": 4}, {"img_1": img})
+        url = f"{api}/auth/v1/tools/crop"
+        assert raw(url, data)[0] == 401
+        assert raw(url, data, {"Authorization": "Bearer wrong"})[0] == 401
+        assert raw(f"{api}/auth/v1/tools", None)[0] == 401
+        status, answer = raw(url, data, {"Authorization": "Bearer s3cret-token"})
+        assert status == 200 and answer["status"] == "ok"
+        assert raw(f"{api}/auth/healthz")[0] == 200  # liveness probes carry no token
+    finally:
+        serve.delete("osvl_tools_auth")
+
+
+def test_metrics_are_exported_by_ray(api, shared_data):
+    """The replicas' osvl_* series reach Ray's Prometheus endpoint on this node."""
+    import time
+
+    import ray
+
+    from osvl import metrics
+
+    img = read_rgb(shared_data / "images" / "opencv" / "messi5.jpg")[:64, :64]
+    assert call(api, "crop", {"image": "img_1", "x": 0, "y": 0, "width": 8, "height": 8}, {"img_1": img}).ok
+    port = ray._private.worker.global_worker.node.metrics_export_port
+    wanted = [metrics.prometheus_name(metrics.TOOL_REQUESTS), metrics.prometheus_name(metrics.TOOL_LATENCY)]
+    deadline, text = time.monotonic() + 60, ""
+    while time.monotonic() < deadline:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
+            text = resp.read().decode()
+        if all(w in text for w in wanted):
+            break
+        time.sleep(2)
+    lines = [ln for ln in text.splitlines() if ln.startswith(wanted[0] + "{")]
+    assert any('tool="crop"' in ln and 'status="ok"' in ln for ln in lines), lines[:5]
+    assert wanted[1] + "_bucket" in text
