@@ -62,8 +62,8 @@ class ServeConfig:
     max_body_bytes: int = opt(32 * 2**20, "Largest HTTP request body, in bytes (413 above).")
     max_pixels: int = opt(MAX_PIXELS, "Largest image (input or output) in pixels (413 above).")
     timeout_s: float = opt(60.0, "Per-call deadline at the ingress, in seconds (504 after).")
-    options: dict[str, str] = opt({}, "Backend options handed to every tool in ToolContext.options "
-                                  "(e.g. edsr_weights: path of an EDSR checkpoint).")
+    options: dict[str, Any] = opt({}, "Backend options handed to every tool in ToolContext.options "
+                                  "(edsr_weights: an EDSR checkpoint path; ocr_backend: rapidocr or tesseract; ...).")
     token_env: str = opt("OSVL_TOOLS_TOKEN", "Environment variable holding the bearer token; "
                          "when it is set where the app is built, every /v1 call must carry it.")
 
@@ -410,41 +410,67 @@ def build_app(args: dict[str, Any]) -> serve.Application:
     return make_app(all_tools(), from_dict(ServeConfig, dict(args or {})))
 
 
-def make_app(tools: dict[str, Tool], cfg: ServeConfig) -> serve.Application:
-    """The application for ``tools`` (a registry); the Tool objects travel to their replicas by value."""
+def make_app(tools: dict[str, Tool], cfg: ServeConfig,
+             deployments: dict[str, dict[str, Any]] | None = None) -> serve.Application:
+    """The application for ``tools`` (a registry); the Tool objects travel to their replicas by value.
+
+    ``deployments`` maps deployment names (``api``, ``tool_<name>``) to ``.options()`` overrides,
+    the same keys as a Serve config's ``deployments:`` entries (replicas, autoscaling, resources).
+    """
     names = cfg.tools or sorted(tools)
     missing = sorted(set(names) - set(tools))
     if missing:
         from osvl.errors import ConfigError
 
         raise ConfigError(f"tools {missing} are not registered; known: {sorted(tools)}")
+    overrides = dict(deployments or {})
     cfg_dict = dataclasses.asdict(cfg)
     handles = {}
     for name in names:
         cls = BatchedToolDeployment if name in cfg.batched else ToolDeployment
-        handles[name] = cls.options(name=DEPLOYMENT_PREFIX + name).bind(tools[name], cfg_dict)
+        dep = DEPLOYMENT_PREFIX + name
+        handles[name] = cls.options(name=dep, **overrides.pop(dep, {})).bind(tools[name], cfg_dict)
+    api_options = overrides.pop("api", {})
+    if overrides:
+        from osvl.errors import ConfigError
+
+        raise ConfigError(f"options for unknown deployments {sorted(overrides)}")
     token = os.environ.get(cfg.token_env, "")
     digest = hashlib.sha256(token.encode()).hexdigest() if token else ""
-    return ToolAPI.options(name="api").bind(handles, [tools[n].schema for n in names], cfg_dict, digest)
+    return ToolAPI.options(name="api", **api_options).bind(handles, [tools[n].schema for n in names], cfg_dict,
+                                                           digest)
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``python -m serve.app [--port=N] [--tools=crop,sharpen] [--<ServeConfig field>=...]``: run until Ctrl-C."""
+    """``python -m serve.app [--config=serve/config.yaml] [--port=N] [--<ServeConfig field>=value ...]``.
+
+    Starts a loopback Ray cluster (or joins ``$RAY_ADDRESS``), runs the app and serves until Ctrl-C.
+    ``--config`` reads a Serve config file (its first application's ``args`` and ``deployments``)
+    so the laptop run and ``serve run`` use one file; later flags override its args.
+    """
     from osvl.cluster import init_ray, start_serve
-    from osvl.config import apply_override
+    from osvl.config import apply_override, load_yaml, merge
+    from osvl.tools.registry import all_tools
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    port = 0
-    cfg = ServeConfig()
+    port, cfg, deployments = 0, ServeConfig(), {}
     for arg in argv:
         key, _, value = arg.removeprefix("--").partition("=")
         if key == "port":
             port = int(value)
+        elif key == "config":
+            app_cfg = load_yaml(value)["applications"][0]
+            cfg = merge(cfg, app_cfg.get("args") or {})
+            deployments = {d["name"]: {k: v for k, v in d.items() if k != "name"}
+                           for d in app_cfg.get("deployments") or []}
         else:
             cfg = apply_override(cfg, key, value)
+    tools = all_tools()
+    names = set(cfg.tools or tools)  # a subset run keeps only its own deployments' options
+    deployments = {k: v for k, v in deployments.items() if k == "api" or k.removeprefix(DEPLOYMENT_PREFIX) in names}
     init_ray()
     port = start_serve(port or None)
-    serve.run(build_app(dataclasses.asdict(cfg)), name=APP_NAME, route_prefix="/")
+    serve.run(make_app(tools, cfg, deployments), name=APP_NAME, route_prefix="/")
     print(f"osvl tool API on http://127.0.0.1:{port} (OpenAPI: /docs, /openapi.json)", flush=True)
     try:
         while True:

@@ -132,6 +132,29 @@ def test_super_resolution_is_x4_and_beats_bicubic_on_every_set5_image(api, share
         assert edsr > bicubic, f"{name}: EDSR {edsr:.2f} dB <= bicubic {bicubic:.2f} dB ({rows})"
 
 
+def test_perspective_correct_finds_the_warped_document_corners(api):
+    from test_image_tools import _document, _photographed
+
+    corners = [[150, 100], [620, 160], [700, 720], [90, 650]]
+    img = _photographed(_document(), corners)
+    r = call(api, "perspective_correct", {"image": "img_1"}, {"img_1": img})
+    assert r.ok and "img_2" in r.images, r.text
+    err = np.hypot(*(np.array(r.data["corners"]) - np.array(corners, float)).T)
+    assert err.max() <= 0.01 * math.hypot(*img.shape[:2]), err
+
+
+def test_ocr_reads_a_rendered_sentence_and_a_real_page(api, shared_data):
+    from test_image_tools import IMAGE_TEXT_N, SENTENCE, _rendered_sentence
+
+    from osvl.tools.ocr import char_error_rate, word_recall
+
+    r = call(api, "ocr", {"image": "img_1"}, {"img_1": _rendered_sentence()})
+    assert r.ok and char_error_rate(r.data["text"], SENTENCE) <= 0.10, r.data
+    page = read_rgb(shared_data / "images" / "opencv" / "imageTextN.png")
+    r = call(api, "ocr", {"image": "img_1"}, {"img_1": page})
+    assert r.ok and word_recall(r.data["text"], IMAGE_TEXT_N) >= 0.8, r.data["text"]
+
+
 def test_handle_transport_gives_the_same_result_without_http(api, shared_data):
     img = read_rgb(shared_data / "images" / "opencv" / "messi5.jpg")[:200, :300]
 

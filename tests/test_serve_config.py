@@ -37,6 +37,9 @@ def test_config_is_a_valid_serve_deploy_config_for_this_app(name):
         auto = d["autoscaling_config"]
         assert 1 <= auto["min_replicas"] <= auto["max_replicas"]
         assert 0 < auto["target_ongoing_requests"] <= d["max_ongoing_requests"]
+    cpus = sum(d["ray_actor_options"]["num_cpus"] * d["autoscaling_config"]["min_replicas"]
+               for d in app["deployments"])
+    assert cpus <= 2.0  # every tool starts on a 2-core laptop
     sr = next(d for d in app["deployments"] if d["name"] == "tool_super_resolution")
     assert sr["max_ongoing_requests"] >= args.max_batch_size  # a batch must be able to fill
 
