@@ -71,6 +71,8 @@ class TrainEdsrConfig:
     num_workers: int = opt(2, "Ray Train workers (data-parallel, gloo).", hashed=False)
     threads_per_worker: int = opt(1, "torch threads per worker.", hashed=False)
     ckpt_every: int = opt(100, "Checkpoint (and validate) every N steps.")
+    max_failures: int = opt(3, "Worker-group failures Ray Train recovers from (restarting at the last "
+                               "checkpoint) before the job fails.", hashed=False)
     eval_dirs: list[str] = opt([], "Test-set folders (e.g. Set5, Set14) evaluated once at the end, never trained "
                                    "on.", hashed=False)
     export_to: str = opt("", "Copy the final weights here too (e.g. osvl/tools/weights/edsr_x4.pth).",
@@ -168,6 +170,7 @@ def train_loop(config: dict) -> None:
         optim.load_state_dict(state["optim"])
         sched.load_state_dict(state["sched"])
         start = state["step"]
+        print(f"resumed at step {start}", flush=True)
     train, holdout = load_photos(cfg.data)
     hold = {f"holdout_{i}": im[:256, :256] for i, im in enumerate(holdout)}
     t0 = time.time()
@@ -222,7 +225,8 @@ def main(argv: list[str] | None = None) -> dict:
         scaling_config=ray.train.ScalingConfig(num_workers=cfg.num_workers, use_gpu=False,
                                                resources_per_worker={"CPU": cfg.threads_per_worker}),
         run_config=ray.train.RunConfig(name="train", storage_path=str(out),
-                                       checkpoint_config=ray.train.CheckpointConfig(num_to_keep=2)),
+                                       checkpoint_config=ray.train.CheckpointConfig(num_to_keep=2),
+                                       failure_config=ray.train.FailureConfig(max_failures=cfg.max_failures)),
     )
     result = trainer.fit()
     if result.checkpoint is None:
