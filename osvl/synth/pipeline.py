@@ -1,0 +1,501 @@
+"""Multi-hop visual question synthesis as a resumable Ray Data job.
+
+Stages, in order (each drops and counts by reason; the counts end up in the data card):
+
+1. **plan** (driver and every worker, deterministic): seeds are the entities with a
+   grounded anchor image; every entity gets one split (``walks.assign_splits``), and
+   seeds are dealt round-robin into ``num_shards`` shards.
+2. **synthesize** (Ray Data ``map_batches`` over shard numbers, one actor per worker,
+   each loading the KG once): per seed, sample ``h``, walk, rewrite, check the three
+   invariants, deduplicate by path and answer, attach (and maybe degrade) an image.
+   Every shard has its own RNG seeded from ``(run.seed, shard)``, so a shard's rows
+   do not depend on which worker ran it or when. A shard commits by renaming its
+   Parquet file into ``shards/``; a rerun skips committed shards, which is the whole
+   resume story (a killed shard left no file, and its images are named by content).
+3. **difficulty filter** (slot, empty by default): ``filter.stage`` names a callable
+   class ``module:Class`` applied as a Ray Data ``map_batches`` stage to the candidate
+   rows (a ``pyarrow.Table`` batch in, the kept rows out). The agent issue fills it with
+   the two-stage filter (solvable with tools, not without); its actors get
+   ``filter.num_gpus`` each.
+4. **finalize** (driver, deterministic): cap any one answer at ``max_answer_share`` and
+   any one seed at ``max_seed_share`` of the questions, write ``sft``/``rl``/``heldout``
+   Parquet files and the data card.
+
+Output under ``<run root>/synthesize/<config hash>/``: ``{sft,rl,heldout}.parquet``,
+``images/`` (each image once, named by content hash), ``data_card.{json,md}``,
+``shards/`` (the resumable intermediate).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import json
+import os
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from osvl.config import RunConfig, config_hash, from_dict, opt, run_dir, to_dict
+from osvl.errors import ConfigError
+from osvl.synth.degrade import UNDO_TOOL, degrade
+from osvl.synth.invariants import fold, violations
+from osvl.synth.rewrite import LLMConfig, llm_rewrite, template_rewrite
+from osvl.synth.walks import SPLITS, Graph, WalkConfig, assign_splits, random_walk
+
+JOB = "synthesize"
+
+
+@dataclass
+class WalkOptions:
+    hops: list[int] = opt([2, 3, 4], "Hop counts a walk may take.")
+    hop_probs: list[float] = opt([0.4, 0.4, 0.2], "Probability of each entry of walk.hops.")
+    hub_in_degree: int = opt(300, "Skip entities with more in-links than this (10000 for full Wikipedia; "
+                             "300 is about the sample's 99th percentile).")
+    max_retries: int = opt(10, "Walk+rewrite retries for one question before giving up on it.")
+    max_answer_words: int = opt(6, "Longest answer, in words.")
+
+
+@dataclass
+class RewriterOptions:
+    kind: str = opt("template", "template (default, deterministic) or llm (an OpenAI-compatible endpoint).")
+    base_url: str = opt("", "llm: endpoint base URL, e.g. http://127.0.0.1:8000/v1.")
+    model: str = opt("", "llm: model name sent in the request.")
+    api_key_env: str = opt("", "llm: name of the environment variable holding the API key (never the key).",
+                           hashed=False)
+    timeout_s: float = opt(30.0, "llm: per-request timeout.", hashed=False)
+    max_concurrency: int = opt(8, "llm: requests in flight per worker.", hashed=False)
+    temperature: float = opt(0.7, "llm: sampling temperature.")
+
+
+@dataclass
+class DegradeOptions:
+    share: float = opt(0.1, "Share of questions whose image is degraded.")
+    kinds: list[str] = opt(["blur", "downsample", "perspective"], "Degradations drawn uniformly.")
+
+
+@dataclass
+class FilterOptions:
+    stage: str = opt("", "Difficulty filter stage as module:Class (a Ray Data map_batches callable class "
+                     "taking and returning a pyarrow.Table); empty = no filter.")
+    concurrency: int = opt(1, "Actors of the filter stage.", hashed=False)
+    num_gpus: float = opt(0.0, "GPUs per filter actor.", hashed=False)
+
+
+@dataclass
+class SynthConfig:
+    run: RunConfig = opt(RunConfig, "Run root and global seed.")
+    kg_dir: str = opt("", "KG folder (entities/links/anchors Parquet + images/); empty = the committed sample.")
+    questions_per_seed: int = opt(100, "Most questions made from one seed entity.")
+    attempts_per_seed: int = opt(300, "Most question attempts per seed (each up to walk.max_retries walks).")
+    min_grounding_score: float = opt(0.0, "Use only anchors scoring at least this.")
+    num_shards: int = opt(16, "Shards (groups of seeds); the unit of parallelism and of resume.")
+    workers: int = opt(2, "Ray Data actors synthesizing shards in parallel.", hashed=False)
+    split_fractions: list[float] = opt([0.6, 0.3, 0.1], "sft/rl/heldout share of seeds (so of questions).")
+    entity_split_fractions: list[float] = opt(
+        [0.5, 0.3, 0.2], "sft/rl/heldout share of non-seed entities; small splits get a little more room "
+        "because their walks run in a thinner subgraph.")
+    max_answer_share: float = opt(0.025, "Most questions one answer string may have (share of all).")
+    max_seed_share: float = opt(0.08, "Most questions one seed may have (share of all).")
+    walk: WalkOptions = opt(WalkOptions, "Random walks.")
+    rewriter: RewriterOptions = opt(RewriterOptions, "Question rewriting.")
+    degrade: DegradeOptions = opt(DegradeOptions, "Image degradation.")
+    filter: FilterOptions = opt(FilterOptions, "Difficulty filter stage slot (filled by the agent issue).")
+
+
+def validate(cfg: SynthConfig) -> None:
+    w = cfg.walk
+    if len(w.hops) != len(w.hop_probs) or not w.hops or min(w.hops) < 1:
+        raise ConfigError("walk.hops and walk.hop_probs must be equally long, with hops >= 1")
+    if abs(sum(w.hop_probs) - 1) > 1e-6 or min(w.hop_probs) < 0:
+        raise ConfigError(f"walk.hop_probs must be non-negative and sum to 1, got {w.hop_probs}")
+    for name in ("split_fractions", "entity_split_fractions"):
+        f = getattr(cfg, name)
+        if len(f) != 3 or abs(sum(f) - 1) > 1e-6 or min(f) < 0:
+            raise ConfigError(f"{name} needs three non-negative shares (sft, rl, heldout) summing to 1, got {f}")
+    if not 0 <= cfg.degrade.share <= 1:
+        raise ConfigError(f"degrade.share must be in [0, 1], got {cfg.degrade.share}")
+    unknown = set(cfg.degrade.kinds) - set(UNDO_TOOL)
+    if unknown or (cfg.degrade.share > 0 and not cfg.degrade.kinds):
+        raise ConfigError(f"degrade.kinds must be a non-empty subset of {sorted(UNDO_TOOL)}, got {cfg.degrade.kinds}")
+    if cfg.rewriter.kind not in ("template", "llm"):
+        raise ConfigError(f"rewriter.kind must be template or llm, got {cfg.rewriter.kind!r}")
+    if cfg.rewriter.kind == "llm" and not (cfg.rewriter.base_url and cfg.rewriter.model):
+        raise ConfigError("rewriter.kind=llm needs rewriter.base_url and rewriter.model")
+    if cfg.num_shards < 1 or cfg.workers < 1 or cfg.questions_per_seed < 1:
+        raise ConfigError("num_shards, workers and questions_per_seed must be >= 1")
+
+
+def plan(graph: Graph, cfg: SynthConfig) -> tuple[list[list[int]], dict[int, str]]:
+    """Seeds dealt into shards, and every entity's split; the same on every worker."""
+    seeds = graph.seeds(cfg.min_grounding_score)
+    fractions = dict(zip(SPLITS, cfg.split_fractions, strict=True))
+    entity_fractions = dict(zip(SPLITS, cfg.entity_split_fractions, strict=True))
+    split_of = assign_splits(graph, seeds, fractions, entity_fractions, cfg.run.seed)
+    shards = [seeds[k::cfg.num_shards] for k in range(cfg.num_shards)]
+    return shards, split_of
+
+
+ROW_SCHEMA = pa.schema([
+    ("id", pa.string()),
+    ("question", pa.string()),
+    ("answer", pa.string()),
+    ("answer_aliases", pa.list_(pa.string())),
+    ("answer_key", pa.string()),
+    ("images", pa.list_(pa.string())),
+    ("path", pa.list_(pa.struct([("entity_id", pa.int64()), ("title", pa.string()), ("relation", pa.string()),
+                                 ("descriptor_kind", pa.string()), ("descriptor_key", pa.string()),
+                                 ("descriptor_value", pa.string())]))),
+    ("hops", pa.int32()),
+    ("degraded", pa.bool_()),
+    ("degradation", pa.string()),  # JSON: kind, undo_tool and the parameters; "" when not degraded
+    ("provenance", pa.struct([("kg", pa.string()), ("anchor_image", pa.string()), ("anchor_source", pa.string()),
+                              ("caption", pa.string()), ("grounding_score", pa.float32()),
+                              ("scorer", pa.string()), ("rewriter", pa.string()), ("shard", pa.int32())])),
+    ("licence", pa.string()),
+    ("split", pa.string()),
+])
+
+
+class ImageStore:
+    """Writes each image once under ``images/``, named by the SHA-256 of its bytes."""
+
+    def __init__(self, graph: Graph, out_dir: Path):
+        self.graph, self.dir = graph, out_dir
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self._decoded: dict[str, np.ndarray] = {}
+
+    def _put(self, data: bytes, ext: str) -> str:
+        name = hashlib.sha256(data).hexdigest()[:24] + ext
+        path = self.dir / name
+        if not path.exists():
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_bytes(data)
+            os.replace(tmp, path)
+        return name
+
+    def _source(self, image: str) -> Path:
+        if self.graph.root is None:
+            raise FileNotFoundError(f"graph has no folder to read image {image!r} from")
+        return self.graph.root / "images" / image
+
+    def original(self, image: str) -> str:
+        path = self._source(image)
+        return self._put(path.read_bytes(), path.suffix.lower() or ".jpg")
+
+    def degraded(self, image: str, kind: str, rng: np.random.Generator) -> tuple[str, dict[str, Any]]:
+        import cv2
+
+        if image not in self._decoded:
+            bgr = cv2.imread(str(self._source(image)), cv2.IMREAD_COLOR)
+            if bgr is None:
+                raise ValueError(f"cannot decode {image}")
+            self._decoded[image] = cv2.cvtColor(bgr, cv2.COLOR_BGR2RGB)
+        out, record = degrade(self._decoded[image], kind, rng)
+        ok, buf = cv2.imencode(".png", cv2.cvtColor(out, cv2.COLOR_RGB2BGR))
+        if not ok:
+            raise ValueError(f"cannot encode degraded {image}")
+        return self._put(buf.tobytes(), ".png"), record
+
+
+def question_id(path: list[dict[str, Any]], answer_key: str, answer: str) -> str:
+    key = json.dumps([[p["entity_id"], p["relation"]] for p in path] + [fold(answer_key), fold(answer)])
+    return hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+def synthesize_shard(graph: Graph, cfg: SynthConfig, shard: int, seeds: list[int], split_of: dict[int, str],
+                     images: ImageStore) -> tuple[list[dict[str, Any]], dict[str, Counter[str]]]:
+    """All questions of one shard, and its counts by stage and reason."""
+    rng = np.random.default_rng([cfg.run.seed, shard])
+    counts: dict[str, Counter[str]] = {s: Counter() for s in ("walk_skips", "walk", "rewrite", "invariants",
+                                                              "dedupe", "images", "rewriter")}
+    wcfg = WalkConfig(cfg.walk.hub_in_degree, cfg.walk.max_answer_words)
+    probs = np.array(cfg.walk.hop_probs) / sum(cfg.walk.hop_probs)
+    kg_name = str(graph.root.name if graph.root else "memory")
+    rows: list[dict[str, Any]] = []
+    seen: set[str] = set()
+    for seed in seeds:
+        anchors = [a for a in graph.anchors[seed] if a.score >= cfg.min_grounding_score]
+        made = 0
+        for _ in range(cfg.attempts_per_seed):
+            if made >= cfg.questions_per_seed:
+                break
+            hops = int(cfg.walk.hops[int(rng.choice(len(probs), p=probs))])
+            row = None
+            for _ in range(cfg.walk.max_retries):
+                walk = random_walk(graph, seed, hops, rng, split_of, wcfg, counts["walk_skips"])
+                if walk is None:
+                    counts["walk"]["dead_end"] += 1
+                    continue
+                draft = template_rewrite(graph, walk, rng, counts["rewrite"])
+                if draft is None:
+                    continue
+                qid = question_id(draft.path, draft.answer_key, draft.answer)
+                if qid in seen:
+                    counts["dedupe"]["same_path_and_answer"] += 1
+                    continue
+                row = {"id": qid, "question": draft.question, "answer": draft.answer,
+                       "answer_aliases": draft.answer_aliases, "answer_key": draft.answer_key,
+                       "path": draft.path, "hops": hops}
+                broken = violations(graph, row)
+                if broken:
+                    counts["invariants"][broken[0]] += 1
+                    row = None
+                    continue
+                break
+            if row is None:
+                counts["walk"]["retries_exhausted"] += 1
+                continue
+            anchor = anchors[int(rng.integers(len(anchors)))]
+            try:
+                if rng.random() < cfg.degrade.share:
+                    kind = cfg.degrade.kinds[int(rng.integers(len(cfg.degrade.kinds)))]
+                    name, record = images.degraded(anchor.image, kind, rng)
+                    row["degraded"], row["degradation"] = True, json.dumps(record)
+                else:
+                    name = images.original(anchor.image)
+                    row["degraded"], row["degradation"] = False, ""
+            except (OSError, ValueError):
+                counts["images"]["bad_image"] += 1  # a missing or corrupt file drops the question, not the run
+                continue
+            seen.add(row["id"])
+            row.update(images=[name], licence=anchor.licence, split=split_of[seed],
+                       provenance={"kg": kg_name, "anchor_image": anchor.image, "anchor_source": anchor.source,
+                                   "caption": anchor.caption, "grounding_score": anchor.score,
+                                   "scorer": anchor.scorer, "rewriter": "template", "shard": shard})
+            rows.append(row)
+            made += 1
+    if cfg.rewriter.kind == "llm" and rows:
+        r = cfg.rewriter
+        llm = LLMConfig(r.base_url, r.model, r.api_key_env, r.timeout_s, r.max_concurrency, r.temperature)
+        drafts = [_draft_of(row) for row in rows]
+        texts = llm_rewrite(llm, graph, drafts, counts["rewriter"])
+        for row, text in zip(rows, texts, strict=True):
+            candidate = {**row, "question": text}
+            if text != row["question"] and not violations(graph, candidate):
+                row["question"] = text
+                row["provenance"]["rewriter"] = f"llm:{r.model}"
+    return rows, counts
+
+
+def _draft_of(row: dict[str, Any]) -> Any:
+    from osvl.synth.rewrite import Draft
+
+    return Draft(row["question"], row["path"], row["answer_key"], row["answer"], row["answer_aliases"])
+
+
+class ShardWorker:
+    """Ray Data callable class: loads the KG once per actor, then synthesizes and commits whole shards."""
+
+    def __init__(self, cfg: dict[str, Any], out_dir: str):
+        self.cfg = from_dict(SynthConfig, cfg)
+        self.graph = Graph.load(self.cfg.kg_dir or None, max_answer_words=self.cfg.walk.max_answer_words)
+        self.shards, self.split_of = plan(self.graph, self.cfg)
+        self.out = Path(out_dir)
+        self.images = ImageStore(self.graph, self.out / "images")
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        done, sizes, secs = [], [], []
+        for shard in batch["shard"].tolist():
+            t0 = time.perf_counter()
+            rows, counts = synthesize_shard(self.graph, self.cfg, shard, self.shards[shard], self.split_of,
+                                            self.images)
+            if shard == 0:  # the graph is the same for every shard: count its bad rows once
+                counts["graph_bad_rows"] = Counter(self.graph.bad)
+            commit_shard(self.out / "shards", shard, rows, counts)
+            done.append(shard)
+            sizes.append(len(rows))
+            secs.append(time.perf_counter() - t0)
+        return {"shard": np.array(done), "questions": np.array(sizes), "seconds": np.array(secs)}
+
+
+def shard_path(shard_dir: Path, shard: int) -> Path:
+    return shard_dir / f"shard-{shard:05d}.parquet"
+
+
+def commit_shard(shard_dir: Path, shard: int, rows: list[dict[str, Any]], counts: dict[str, Counter[str]]) -> None:
+    """Counts first, then the rows by atomic rename: a shard exists exactly when its Parquet file does."""
+    shard_dir.mkdir(parents=True, exist_ok=True)
+    final = shard_path(shard_dir, shard)
+    final.with_suffix(".json").write_text(json.dumps({k: dict(v) for k, v in counts.items()}, sort_keys=True))
+    table = pa.Table.from_pylist(rows, schema=ROW_SCHEMA)
+    tmp = final.with_suffix(f".{os.getpid()}.tmp")
+    pq.write_table(table, tmp)
+    os.replace(tmp, final)
+
+
+def _apply_filter_stage(cfg: SynthConfig, table: pa.Table) -> pa.Table:
+    """Stage 3 slot: run ``filter.stage`` over the candidates with Ray Data; identity when unset."""
+    if not cfg.filter.stage or table.num_rows == 0:
+        return table
+    import ray
+
+    module, _, name = cfg.filter.stage.partition(":")
+    try:
+        stage_cls = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError, ValueError) as e:
+        raise ConfigError(f"filter.stage {cfg.filter.stage!r} cannot be imported: {e}") from None
+    ds = ray.data.from_arrow(table).map_batches(stage_cls, batch_format="pyarrow", concurrency=cfg.filter.concurrency,
+                                                num_gpus=cfg.filter.num_gpus or None)
+    parts = [pa.Table.from_batches([b]) if isinstance(b, pa.RecordBatch) else b
+             for b in ds.iter_batches(batch_format="pyarrow", batch_size=None)]
+    return pa.concat_tables(parts).cast(ROW_SCHEMA) if parts else table.slice(0, 0)
+
+
+def cap_shares(table: pa.Table, max_answer_share: float, max_seed_share: float, drops: Counter[str]) -> pa.Table:
+    """Drop the surplus of over-represented answers and seeds, keeping the lowest ids (deterministic)."""
+    table = table.sort_by("id")
+    answers = [fold(a) for a in table.column("answer").to_pylist()]
+    seeds = [p[0]["entity_id"] for p in table.column("path").to_pylist()]
+    keep = list(range(table.num_rows))
+    for _ in range(20):  # dropping rows lowers the total, so the caps tighten; a few rounds settle it
+        n = len(keep)
+        answer_cap, seed_cap = max(1, int(max_answer_share * n)), max(1, int(max_seed_share * n))
+        a_seen: Counter[str] = Counter()
+        s_seen: Counter[int] = Counter()
+        kept = []
+        for i in keep:
+            if a_seen[answers[i]] >= answer_cap:
+                drops["answer_share_cap"] += 1
+                continue
+            if s_seen[seeds[i]] >= seed_cap:
+                drops["seed_share_cap"] += 1
+                continue
+            a_seen[answers[i]] += 1
+            s_seen[seeds[i]] += 1
+            kept.append(i)
+        if len(kept) == n:
+            break
+        keep = kept
+    return table.take(pa.array(keep, type=pa.int64()))
+
+
+def _histogram(values: list[Any]) -> dict[str, int]:
+    return {str(k): v for k, v in sorted(Counter(values).items(), key=lambda kv: (-kv[1], str(kv[0])))}
+
+
+def data_card(cfg: SynthConfig, table: pa.Table, counts: dict[str, Counter[str]], seconds: float) -> dict[str, Any]:
+    n = max(1, table.num_rows)
+    paths = table.column("path").to_pylist()
+    answers = [fold(a) for a in table.column("answer").to_pylist()]
+    seeds = [p[0]["entity_id"] for p in paths]
+    hops = table.column("hops").to_pylist()
+    degraded = table.column("degraded").to_pylist()
+    kinds = [json.loads(d)["kind"] for d in table.column("degradation").to_pylist() if d]
+    scores = sorted({(p[0]["entity_id"], prov["anchor_image"], prov["grounding_score"])
+                     for p, prov in zip(paths, table.column("provenance").to_pylist(), strict=True)})
+    score_values = np.array([s for _, _, s in scores], dtype=float) if scores else np.zeros(1)
+    top_answer = Counter(answers).most_common(1)
+    top_seed = Counter(seeds).most_common(1)
+    hop_hist = Counter(hops)
+    return {
+        "questions": table.num_rows,
+        "splits": _histogram(table.column("split").to_pylist()),
+        "seconds": round(seconds, 1),
+        "config_hash": config_hash(cfg),
+        "seed_entities": len(set(seeds)),
+        "final_entities": len({p[-1]["entity_id"] for p in paths}),
+        "path_entities": len({e["entity_id"] for p in paths for e in p}),
+        "max_seed_share": round(top_seed[0][1] / n, 4) if top_seed else 0.0,
+        "max_answer_share": round(top_answer[0][1] / n, 4) if top_answer else 0.0,
+        "top_answers": dict(Counter(answers).most_common(10)),
+        "hops": {str(h): {"count": hop_hist[h], "share": round(hop_hist[h] / n, 4), "configured": p}
+                 for h, p in zip(cfg.walk.hops, cfg.walk.hop_probs, strict=True)},
+        "answer_keys": _histogram([fold(k) for k in table.column("answer_key").to_pylist()]),
+        "degraded": {"share": round(sum(degraded) / n, 4), "configured": cfg.degrade.share,
+                     "kinds": _histogram(kinds)},
+        "descriptor_kinds": _histogram([e["descriptor_kind"] for p in paths for e in p[1:]]),
+        "rewriter": _histogram([p["rewriter"] for p in table.column("provenance").to_pylist()]),
+        "drops": {stage: dict(sorted(c.items())) for stage, c in sorted(counts.items()) if c},
+        "grounding_scores": {"anchors_used": len(scores), "min": round(float(score_values.min()), 4),
+                             "median": round(float(np.median(score_values)), 4),
+                             "max": round(float(score_values.max()), 4),
+                             "histogram": {f"{lo:.1f}-{lo + 0.1:.1f}": int(((score_values >= lo) &
+                                                                            (score_values < lo + 0.1)).sum())
+                                           for lo in np.arange(0.0, 1.0, 0.1)}},
+    }
+
+
+def card_markdown(card: dict[str, Any]) -> str:
+    lines = [f"# Data card: synthesized questions ({card['questions']} questions, config {card['config_hash']})", "",
+             f"Splits: {card['splits']}. Seeds: {card['seed_entities']}, final entities: {card['final_entities']}, "
+             f"path entities: {card['path_entities']}. Largest seed share {card['max_seed_share']:.1%}, "
+             f"largest answer share {card['max_answer_share']:.1%}. Built in {card['seconds']} s.", "",
+             "## Hops", "", "| hops | questions | share | configured |", "|---|---|---|---|"]
+    lines += [f"| {h} | {v['count']} | {v['share']:.1%} | {v['configured']:.0%} |" for h, v in card["hops"].items()]
+    lines += ["", "## Answer keys (top 25)", "", "| key | questions |", "|---|---|"]
+    lines += [f"| {k} | {v} |" for k, v in list(card["answer_keys"].items())[:25]]
+    d = card["degraded"]
+    lines += ["", f"## Degradation\n\nshare {d['share']:.1%} (configured {d['configured']:.0%}); kinds {d['kinds']}",
+              "", "## Drops by stage and reason", "", "| stage | reason | count |", "|---|---|---|"]
+    lines += [f"| {s} | {r} | {c} |" for s, reasons in card["drops"].items() for r, c in reasons.items()]
+    g = card["grounding_scores"]
+    lines += ["", f"## Grounding scores\n\n{g['anchors_used']} anchors used; min {g['min']}, median {g['median']}, "
+              f"max {g['max']}; histogram {g['histogram']}", ""]
+    return "\n".join(lines)
+
+
+def finalize(cfg: SynthConfig, out: Path, num_shards: int, seconds: float) -> dict[str, Any]:
+    """Read every committed shard, run the filter slot and the caps, write the splits and the data card."""
+    shard_dir = out / "shards"
+    tables, counts = [], {}
+    for k in range(num_shards):
+        tables.append(pq.read_table(shard_path(shard_dir, k)).cast(ROW_SCHEMA))
+        for stage, c in json.loads(shard_path(shard_dir, k).with_suffix(".json").read_text()).items():
+            counts.setdefault(stage, Counter()).update(c)
+    table = pa.concat_tables(tables) if tables else ROW_SCHEMA.empty_table()
+    before = table.num_rows
+    table = _apply_filter_stage(cfg, table)
+    if table.num_rows != before:
+        counts.setdefault("difficulty_filter", Counter())["rejected"] += before - table.num_rows
+    counts["caps"] = Counter()
+    table = cap_shares(table, cfg.max_answer_share, cfg.max_seed_share, counts["caps"])
+    for split in SPLITS:
+        part = table.filter(pc.equal(table.column("split"), split))
+        tmp = out / f"{split}.parquet.tmp"
+        pq.write_table(part, tmp)
+        os.replace(tmp, out / f"{split}.parquet")
+    card = data_card(cfg, table, counts, seconds)
+    (out / "data_card.json").write_text(json.dumps(card, indent=1, sort_keys=False))
+    (out / "data_card.md").write_text(card_markdown(card))
+    return card
+
+
+def run(cfg: SynthConfig, *, log: Any = print) -> tuple[Path, dict[str, Any]]:
+    """Synthesize (resuming committed shards), finalize; returns the run folder and the data card."""
+    import ray
+
+    from osvl.cluster import init_ray
+
+    validate(cfg)
+    t0 = time.perf_counter()
+    out = run_dir(cfg, JOB)
+    graph = Graph.load(cfg.kg_dir or None, max_answer_words=cfg.walk.max_answer_words)
+    shards, _ = plan(graph, cfg)
+    n_seeds = sum(len(s) for s in shards)
+    if n_seeds == 0:
+        raise ConfigError(f"the KG at {graph.root} has no seed entity (no anchor scoring >= "
+                          f"{cfg.min_grounding_score}); nothing to synthesize")
+    todo = [k for k in range(cfg.num_shards) if not shard_path(out / "shards", k).exists()]
+    log(f"synthesize: {len(graph.entities)} entities, {n_seeds} seeds in {cfg.num_shards} shards; "
+        f"{cfg.num_shards - len(todo)} already done, {len(todo)} to run with {cfg.workers} workers -> {out}")
+    if todo:
+        init_ray()
+        ds = ray.data.from_items([{"shard": k} for k in todo], override_num_blocks=len(todo))
+        ds = ds.map_batches(ShardWorker, fn_constructor_kwargs={"cfg": to_dict(cfg), "out_dir": str(out)},
+                            batch_size=1, concurrency=min(cfg.workers, len(todo)), num_cpus=1)
+        finished = cfg.num_shards - len(todo)
+        for row in ds.iter_rows():
+            finished += 1
+            log(f"  shard {int(row['shard']):5d} done: {int(row['questions'])} questions in "
+                f"{float(row['seconds']):.1f} s ({finished}/{cfg.num_shards})")
+    card = finalize(cfg, out, cfg.num_shards, time.perf_counter() - t0)
+    log(f"synthesize: {card['questions']} questions {card['splits']} in {card['seconds']} s -> {out}")
+    return out, card

@@ -1,0 +1,236 @@
+"""Fuzzy rewriting: a walk becomes a question that names nothing on its path.
+
+Back to front, one entity at a time, each entity after the start is replaced by a
+*descriptor* drawn from the KG: its short description ("the 1968 film by Stanley
+Kubrick"), a category ("the one listed under Artists"), a distinctive attribute
+("the one whose Capital is Nairobi"), or only its relation to its neighbour ("the
+architect of ..."). A descriptor is kept only if, among everything its
+predecessor links to, exactly one entity satisfies it, and if it names no path
+entity and not the answer; otherwise the next option is tried. The start entity
+becomes a visual reference chosen by its category ("the animal shown").
+
+The template rewriter is the default: deterministic, fast, and correct by
+construction. The LLM rewriter (any OpenAI-compatible chat-completions endpoint)
+only rephrases the template question for fluency; since code cannot prove that a
+paraphrase kept the meaning, its output is accepted only if every descriptor
+value still occurs in it and it leaks nothing, else the template stands and the
+fallback is counted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from osvl.errors import ConfigError
+from osvl.synth.invariants import descriptor_holds, fold, guarded_forms, leaked, step_candidates
+from osvl.synth.walks import Graph, Walk
+
+# (category/description keyword, visual reference); first match wins, checked on folded text
+VISUAL_NOUNS = [
+    (("animal", "mammal", "bird", "reptile", "insect", "fish", "amphibian", "dinosaur", "species"),
+     "the animal shown"),
+    (("plant", "tree", "flower"), "the plant in the image"),
+    (("painting", "sculpture", "artwork", "visual arts", "art "), "the artwork in the image"),
+    (("building", "architecture", "tower", "bridge", "church", "cathedral", "temple", "palace", "castle",
+      "monument", "mosque", "wall", "stadium"), "the building in the image"),
+    (("people", "person", "artist", "musician", "writer"), "the person in the image"),
+    (("geography", "city", "cities", "country", "countries", "mountain", "river", "lake", "island",
+      "region", "places"), "the place shown in the image"),
+]
+DEFAULT_VISUAL = "the subject of the image"
+
+
+def visual_reference(graph: Graph, eid: int) -> str:
+    ent = graph.entities[eid]
+    text = " " + " ".join(fold(c) for c in [ent.description, *ent.categories]) + " "
+    for keywords, phrase in VISUAL_NOUNS:
+        if any(k in text for k in keywords):
+            return phrase
+    return DEFAULT_VISUAL
+
+
+@dataclass
+class Descriptor:
+    kind: str  # description | category | attribute | relation
+    key: str
+    value: str
+
+
+def _lower_first(text: str) -> str:
+    # "Painting by Seurat" -> "painting by Seurat", but keep "UNESCO site" and "Italian city"
+    if len(text) > 1 and text[0].isupper() and text[1].islower() and text.split()[0].lower() not in _PROPER:
+        return text[0].lower() + text[1:]
+    return text
+
+
+# Leading words that stay capitalised (nationalities and languages are the common case in short descriptions).
+_PROPER = {"american", "british", "english", "french", "german", "italian", "spanish", "chinese", "japanese",
+           "indian", "russian", "greek", "roman", "dutch", "australian", "canadian", "scottish", "irish",
+           "african", "european", "asian", "egyptian", "mexican", "brazilian", "swedish", "norwegian"}
+
+
+def descriptor_phrase(d: Descriptor) -> str:
+    if d.kind == "description":
+        return "the " + _lower_first(d.value)
+    if d.kind == "category":
+        leaf = d.value.split(".")[-1].replace("_", " ")
+        return f"the one listed under {leaf}"
+    if d.kind == "attribute":
+        return f"the one whose {d.key} is {d.value}"
+    return f"the {d.key}"
+
+
+def hop_phrase(d: Descriptor, relation: str, inner: str) -> str:
+    """How entity i is described relative to entity i-1 (already phrased as ``inner``)."""
+    if d.kind == "relation":
+        return f"the {relation} of {inner}"
+    if relation == "linked_to":
+        return f"{descriptor_phrase(d)} mentioned in the article on {inner}"
+    return f"{descriptor_phrase(d)} that is the {relation} of {inner}"
+
+
+def descriptor_options(graph: Graph, eid: int, relation: str) -> list[Descriptor]:
+    ent = graph.entities[eid]
+    out = []
+    if ent.description.strip():
+        out.append(Descriptor("description", "", ent.description.strip()))
+    out.extend(Descriptor("category", "", c) for c in ent.categories)
+    out.extend(Descriptor("attribute", k, v) for k, v in ent.answers)
+    if relation != "linked_to":
+        out.append(Descriptor("relation", relation, ""))
+    return out
+
+
+def unique_referent(graph: Graph, prev: int, relation: str, eid: int, d: Descriptor) -> bool:
+    matches = [x for x in step_candidates(graph, prev, relation) if descriptor_holds(graph, x, d.kind, d.key, d.value)]
+    return matches == [eid]
+
+
+@dataclass
+class Draft:
+    """A rewritten walk: the question text and its structured form (the output row's ``path``)."""
+
+    question: str
+    path: list[dict[str, Any]]
+    answer_key: str
+    answer: str
+    answer_aliases: list[str]
+
+
+def template_rewrite(graph: Graph, walk: Walk, rng: np.random.Generator, drops: Counter[str]) -> Draft | None:
+    """Rewrite ``walk`` back to front; None (reason counted) when some hop has no safe unique descriptor."""
+    ids = walk.entities
+    aliases = graph.answer_aliases(walk.answer)
+    forms = guarded_forms(graph, ids, walk.answer, aliases)
+    chosen: list[Descriptor] = []
+    for i in range(len(ids) - 1, 0, -1):
+        rel = walk.relations[i - 1]
+        options = descriptor_options(graph, ids[i], rel)
+        rng.shuffle(options)
+        pick = None
+        for d in options:
+            if leaked(descriptor_phrase(d) + " " + d.key, forms):
+                continue
+            if unique_referent(graph, ids[i - 1], rel, ids[i], d):
+                pick = d
+                break
+        if pick is None:
+            drops[f"no_unique_descriptor_hop{i}"] += 1
+            return None
+        chosen.append(pick)
+    chosen.reverse()  # chosen[i - 1] now describes ids[i]
+    phrase = visual_reference(graph, ids[0])
+    for i in range(1, len(ids)):
+        phrase = hop_phrase(chosen[i - 1], walk.relations[i - 1], phrase)
+    question = f"What is the {walk.answer_key.lower()} of {phrase}?"
+    path = [{"entity_id": ids[0], "title": graph.entities[ids[0]].title, "relation": "",
+             "descriptor_kind": "visual", "descriptor_key": "", "descriptor_value": visual_reference(graph, ids[0])}]
+    for i in range(1, len(ids)):
+        d = chosen[i - 1]
+        path.append({"entity_id": ids[i], "title": graph.entities[ids[i]].title, "relation": walk.relations[i - 1],
+                     "descriptor_kind": d.kind, "descriptor_key": d.key, "descriptor_value": d.value})
+    return Draft(question, path, walk.answer_key, walk.answer, aliases)
+
+
+@dataclass
+class LLMConfig:
+    base_url: str
+    model: str
+    api_key_env: str = ""
+    timeout_s: float = 30.0
+    max_concurrency: int = 8
+    temperature: float = 0.7
+
+
+PROMPT = ("Rewrite the question below so it reads naturally, as a curious person would ask it. Keep every "
+          "descriptive phrase and its meaning; do not add any name, hint or answer. Reply with the question only."
+          "\n\nQuestion: {question}")
+
+
+def _kept_descriptors(text: str, draft: Draft) -> bool:
+    padded = f" {fold(text)} "
+    for step in draft.path[1:]:
+        value = step["descriptor_value"] or step["relation"]
+        if step["descriptor_kind"] == "category":
+            value = value.split(".")[-1]
+        if value and f" {fold(value)} " not in padded:
+            return False
+    return True
+
+
+async def _complete(session: Any, cfg: LLMConfig, question: str, sem: asyncio.Semaphore) -> str:
+    import aiohttp
+
+    headers = {"Content-Type": "application/json"}
+    if cfg.api_key_env:
+        key = os.environ.get(cfg.api_key_env)
+        if not key:
+            raise ConfigError(f"rewriter.api_key_env names {cfg.api_key_env!r}, which is not set")
+        headers["Authorization"] = f"Bearer {key}"
+    body = {"model": cfg.model, "temperature": cfg.temperature,
+            "messages": [{"role": "user", "content": PROMPT.format(question=question)}]}
+    async with sem, session.post(cfg.base_url.rstrip("/") + "/chat/completions", json=body, headers=headers,
+                                 timeout=aiohttp.ClientTimeout(total=cfg.timeout_s)) as resp:
+        if resp.status != 200:
+            raise RuntimeError(f"HTTP {resp.status}")
+        data = await resp.json(content_type=None)
+    return str(data["choices"][0]["message"]["content"]).strip()
+
+
+async def _llm_all(cfg: LLMConfig, questions: list[str]) -> list[str | BaseException]:
+    import aiohttp
+
+    sem = asyncio.Semaphore(cfg.max_concurrency)
+    async with aiohttp.ClientSession() as session:
+        return await asyncio.gather(*(_complete(session, cfg, q, sem) for q in questions), return_exceptions=True)
+
+
+def llm_rewrite(cfg: LLMConfig, graph: Graph, drafts: list[Draft], counts: Counter[str]) -> list[str]:
+    """Paraphrase each draft's question concurrently; a rewrite that fails a check keeps the template."""
+    replies = asyncio.run(_llm_all(cfg, [d.question for d in drafts]))
+    out = []
+    for draft, reply in zip(drafts, replies, strict=True):
+        if isinstance(reply, ConfigError):
+            raise reply
+        if isinstance(reply, BaseException):
+            counts["llm_error"] += 1
+            out.append(draft.question)
+            continue
+        text = " ".join(reply.split())
+        ids = [p["entity_id"] for p in draft.path]
+        if not text or leaked(text, guarded_forms(graph, ids, draft.answer, draft.answer_aliases)):
+            counts["llm_leak"] += 1
+            out.append(draft.question)
+        elif not _kept_descriptors(text, draft):
+            counts["llm_dropped_descriptor"] += 1
+            out.append(draft.question)
+        else:
+            counts["llm_used"] += 1
+            out.append(text)
+    return out

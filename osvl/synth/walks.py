@@ -1,0 +1,279 @@
+"""The KG as synthesis sees it, and constrained random walks over it.
+
+``Graph`` is a read-only view of the KG (``osvl.kg.schema.load_kg``) holding only what
+synthesis needs, precomputed once per worker: names, short descriptions,
+categories, answerable attributes, deduplicated adjacency and value frequencies.
+It can also be built from plain lists of row dicts, which is how unit tests make
+graphs of a dozen entities.
+
+A walk starts at a *seed* (an entity with a grounded anchor image), takes ``h``
+hops along out-links and ends at an entity with an answerable attribute. The
+constraints and why:
+
+- hubs (in-degree above a threshold) are skipped: "the country linked from the
+  article on X" is never a unique referent when X links to 200 countries, and
+  hub paths make every question look alike;
+- list, index and disambiguation pages are skipped: they are not things;
+- no entity twice (no cycles): a question that returns to its start is trivial;
+- every entity of the walk belongs to the seed's split (``assign_splits``), which
+  is how "no path entity in two splits" holds by construction while shards run
+  independently;
+- the last hop only goes to entities with an eligible answer attribute, and the
+  attribute is drawn with weight 1 / (how many entities share that value), so
+  that frequent values ("Animalia", "English") do not swamp the answers.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import Counter, defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from osvl.synth.invariants import fold
+
+SPLITS = ("sft", "rl", "heldout")
+
+# Infobox lines that are not facts about the thing (image captions, navigation, markup remnants).
+NON_ANSWER_KEYS = {"caption", "image", "coordinates", "website", "see also", "spoiler warning", "source",
+                   "map", "footnotes", "notes", "signature", "logo", "url", "image caption"}
+LIST_PREFIXES = ("list of ", "lists of ", "index of ", "outline of ", "timeline of ", "glossary of ")
+LIST_DESCRIPTIONS = ("wikimedia list article", "wikimedia disambiguation page", "wikimedia index",
+                     "wikimedia set index article")
+
+
+@dataclass
+class Entity:
+    id: int
+    title: str
+    aliases: list[str]
+    description: str
+    categories: list[str]
+    attributes: list[tuple[str, str]]
+    answers: list[tuple[str, str]]  # eligible (key, value) pairs whose key has one value
+    list_page: bool
+    in_degree: int
+    folded_attributes: set[tuple[str, str]] = field(default_factory=set)
+
+    def attribute_values(self, key: str) -> list[str]:
+        k = fold(key)
+        return sorted(v for fk, v in self.folded_attributes if fk == k)
+
+
+@dataclass
+class Anchor:
+    image: str
+    caption: str
+    source: str
+    licence: str
+    score: float
+    scorer: str
+
+
+def _is_list_page(row: dict[str, Any]) -> bool:
+    kind = fold(str(row.get("kind") or ""))
+    if kind and kind not in ("article", "entity", "page"):
+        return True
+    title = fold(row["title"]) + " "
+    desc = fold(row.get("description") or "")
+    return title.startswith(LIST_PREFIXES) or "disambiguation" in title or desc in LIST_DESCRIPTIONS
+
+
+def _answers(attributes: list[dict[str, Any]], max_words: int) -> list[tuple[str, str]]:
+    """Eligible answers: the KG's ``eligible`` flag when it has one, else short non-navigation values."""
+    per_key: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for a in attributes:
+        per_key[fold(a["key"])].append(a)
+    out = []
+    for key, rows in per_key.items():
+        if len(rows) != 1 or not key or key in NON_ANSWER_KEYS:
+            continue  # a key with two values has no single answer
+        a = rows[0]
+        if "eligible" in a and a["eligible"] is not None and not a["eligible"]:
+            continue
+        value = " ".join(str(a["value"]).split())
+        if value and len(value.split()) <= max_words and fold(value):
+            out.append((a["key"].strip(), value))
+    return out
+
+
+class Graph:
+    """Read-only KG view: ``entities`` by id, raw ``links_from``, deduplicated out-neighbours, anchors."""
+
+    def __init__(self, entities: Iterable[dict[str, Any]], links: Iterable[dict[str, Any]],
+                 anchors: Iterable[dict[str, Any]] = (), *, root: str | Path = "", max_answer_words: int = 6):
+        self.root = Path(root) if root else None
+        self.entities: dict[int, Entity] = {}
+        self.bad: Counter[str] = Counter()  # malformed rows skipped, by table
+        rows = list(entities)
+        for row in rows:
+            try:
+                eid = int(row["id"])
+                attrs = [dict(a) for a in (row.get("attributes") or [])]
+                ent = Entity(
+                    id=eid, title=str(row["title"]), aliases=[str(a) for a in (row.get("aliases") or [])],
+                    description=str(row.get("description") or ""),
+                    categories=[str(c) for c in (row.get("categories") or [])],
+                    attributes=[(str(a["key"]), str(a["value"])) for a in attrs],
+                    answers=_answers(attrs, max_answer_words), list_page=_is_list_page(row),
+                    in_degree=int(row.get("in_degree") or 0))
+            except (KeyError, TypeError, ValueError, AttributeError):
+                self.bad["entity"] += 1  # one broken page must not stop a run over millions
+                continue
+            ent.folded_attributes = {(fold(k), fold(v)) for k, v in ent.attributes}
+            self.entities[eid] = ent
+        self.links_from: dict[int, list[tuple[int, str]]] = defaultdict(list)
+        in_count: Counter[int] = Counter()
+        for link in links:
+            src, dst, rel = int(link["src"]), int(link["dst"]), str(link["relation"] or "linked_to")
+            if src in self.entities and dst in self.entities and src != dst:
+                self.links_from[src].append((dst, rel))
+                in_count[dst] += 1
+            else:
+                self.bad["link"] += 1
+        if not any("in_degree" in r for r in rows):
+            for eid, ent in self.entities.items():
+                ent.in_degree = in_count[eid]
+        # one edge per neighbour for walking; a typed relation beats ``linked_to`` because it words better
+        self.out: dict[int, list[tuple[int, str]]] = {}
+        for src, pairs in self.links_from.items():
+            best: dict[int, str] = {}
+            for dst, rel in sorted(pairs):
+                if dst not in best or (best[dst] == "linked_to" and rel != "linked_to"):
+                    best[dst] = rel
+            self.out[src] = sorted(best.items())
+        self.anchors: dict[int, list[Anchor]] = defaultdict(list)
+        for a in anchors:
+            eid = int(a["entity_id"])
+            if eid in self.entities:
+                self.anchors[eid].append(Anchor(str(a["image"]), str(a.get("caption") or ""),
+                                                str(a.get("source") or ""), str(a.get("licence") or ""),
+                                                float(a.get("score") or 0.0), str(a.get("scorer") or "")))
+        self.by_name: dict[str, list[int]] = defaultdict(list)
+        for eid, ent in self.entities.items():
+            for name in {fold(ent.title), *(fold(a) for a in ent.aliases)}:
+                if name:
+                    self.by_name[name].append(eid)
+        self.value_count: Counter[str] = Counter(fold(v) for e in self.entities.values() for _, v in e.answers)
+
+    @classmethod
+    def load(cls, kg_dir: str | Path | None = None, *, max_answer_words: int = 6) -> Graph:
+        """Read a KG folder through ``osvl.kg.schema.load_kg`` (default: the committed sample)."""
+        from osvl.kg.schema import load_kg
+
+        kg = load_kg(kg_dir)
+        links = ({"src": s, "dst": d, "relation": r} for s, pairs in kg.out_links.items() for d, r in pairs)
+        anchors = (a for rows in kg.anchors.values() for a in rows)
+        return cls(kg.entities.values(), links, anchors, root=kg.root, max_answer_words=max_answer_words)
+
+    def neighbours(self, eid: int) -> list[int]:
+        return [dst for dst, _ in self.out.get(eid, ())]
+
+    def seeds(self, min_score: float = 0.0) -> list[int]:
+        """Entities with at least one grounded anchor image scoring ``min_score`` or more."""
+        return sorted(e for e, anchors in self.anchors.items()
+                      if not self.entities[e].list_page and any(a.score >= min_score for a in anchors))
+
+    def answer_aliases(self, value: str) -> list[str]:
+        """Names of the entities the answer value names (so "USA" guards "United States" too)."""
+        out: set[str] = set()
+        for eid in self.by_name.get(fold(value), ()):
+            ent = self.entities[eid]
+            out.update([ent.title, *ent.aliases])
+        out.discard(value)
+        return sorted(out)
+
+
+def _unit(*parts: Any) -> float:
+    """A deterministic number in [0, 1) from its parts (stable across processes, unlike ``hash``)."""
+    digest = hashlib.sha256("\x1f".join(map(str, parts)).encode()).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64
+
+
+def assign_splits(graph: Graph, seeds: list[int], fractions: dict[str, float],
+                  entity_fractions: dict[str, float], run_seed: int) -> dict[int, str]:
+    """Give every entity one split: seeds in the exact proportions, the rest by a hash of their id.
+
+    Seeds are few (tens), so they are dealt out by rank to hit the question shares;
+    each seed's out-neighbours then join its split, and all other entities are hashed
+    with ``entity_fractions`` (which may favour the
+    small splits, whose walks otherwise starve in a thin subgraph).
+    """
+    order = sorted(seeds, key=lambda e: _unit(run_seed, "seed", e))
+    split_of: dict[int, str] = {}
+    cum, start = 0.0, 0
+    for name in SPLITS:
+        cum += fractions[name]
+        end = len(order) if name == SPLITS[-1] else round(cum * len(order))
+        for e in order[start:end]:
+            split_of[e] = name
+        start = end
+    # a seed claims its own out-neighbours first (small splits first: they need the room), so a seed
+    # with few links is not cut off from all of them by the hash below
+    for name in reversed(SPLITS):
+        for e in order:
+            if split_of[e] == name:
+                for dst in graph.neighbours(e):
+                    split_of.setdefault(dst, name)
+    for eid in graph.entities:
+        if eid in split_of:
+            continue
+        u, cum = _unit(run_seed, "entity", eid), 0.0
+        for name in SPLITS:
+            cum += entity_fractions[name]
+            if u < cum or name == SPLITS[-1]:
+                split_of[eid] = name
+                break
+    return split_of
+
+
+@dataclass
+class Walk:
+    entities: list[int]  # seed first
+    relations: list[str]  # relations[i] leads from entities[i] to entities[i + 1]
+    answer_key: str
+    answer: str
+
+
+@dataclass
+class WalkConfig:
+    hub_in_degree: int = 300
+    max_answer_words: int = 6
+
+
+def random_walk(graph: Graph, seed: int, hops: int, rng: np.random.Generator, split_of: dict[int, str],
+                cfg: WalkConfig, skips: Counter[str]) -> Walk | None:
+    """One constrained walk of ``hops`` hops from ``seed``; None (reason counted in ``skips``) at a dead end."""
+    split = split_of[seed]
+    path, rels = [seed], []
+    for step in range(hops):
+        last = step == hops - 1
+        options = []
+        for dst, rel in graph.out.get(path[-1], ()):
+            ent = graph.entities[dst]
+            if dst in path:
+                skips["cycle"] += 1
+            elif ent.in_degree > cfg.hub_in_degree:
+                skips["hub"] += 1
+            elif ent.list_page:
+                skips["list_page"] += 1
+            elif split_of.get(dst) != split:
+                skips["other_split"] += 1
+            elif last and not ent.answers:
+                skips["no_answer_attribute"] += 1
+            else:
+                options.append((dst, rel))
+        if not options:
+            skips[f"dead_end_hop{step + 1}"] += 1
+            return None
+        dst, rel = options[int(rng.integers(len(options)))]
+        path.append(dst)
+        rels.append(rel)
+    answers = graph.entities[path[-1]].answers
+    weights = np.array([1.0 / max(1, graph.value_count[fold(v)]) for _, v in answers])
+    key, value = answers[int(rng.choice(len(answers), p=weights / weights.sum()))]
+    return Walk(path, rels, key, value)
