@@ -45,6 +45,11 @@ def init_ray(address: str | None = None, num_cpus: int | None = None, *,
     for key, value in loopback_env().items():
         os.environ.setdefault(key, value)
     import ray
+    import ray._private.ray_constants as ray_constants
+
+    # Ray reads the variable once, at import; code that imported ray before calling us
+    # would otherwise get sockets on every interface. Children inherit the variable.
+    ray_constants.ENABLE_RAY_CLUSTER = os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] != "0"
 
     if ray.is_initialized():
         return ray.get_runtime_context()
