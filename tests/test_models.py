@@ -90,13 +90,12 @@ def test_pinned_pixel_values(name, qwen3_dir):
     assert digest(out["pixel_values"]) == want
 
 
-@pytest.mark.parametrize("settings,file", [(QWEN3_RELEASE, "preprocessor_config.json"),
-                                           (QWEN25_RELEASE, "preprocessor_config.json")])
-def test_release_style_configs_get_the_pinned_class(settings, file, qwen3_dir, tmp_path):
+@pytest.mark.parametrize("settings", [QWEN3_RELEASE, QWEN25_RELEASE])
+def test_release_style_configs_get_the_pinned_class(settings, qwen3_dir, tmp_path):
     """A checkpoint asking for the torchvision ("Fast") class still gets the PIL one, with its settings."""
     ckpt = copy_without(qwen3_dir, tmp_path / "ckpt", "processor_config.json", "preprocessor_config.json",
                         "model.safetensors")
-    (ckpt / file).write_text(json.dumps(settings))
+    (ckpt / "preprocessor_config.json").write_text(json.dumps(settings))
     processor = load_processor(ckpt)
     assert type(processor.image_processor) is PINNED_IMAGE_PROCESSOR
     assert processor.image_processor.patch_size == settings["patch_size"]
@@ -147,6 +146,28 @@ def test_loaded_weights_are_the_saved_ones(qwen3_dir):
     name = next(k for k in saved if "embed_tokens" in k)
     loaded = next(v for k, v in params.items() if k.endswith(name.split("model.", 1)[-1]))
     torch.testing.assert_close(loaded, saved[name], rtol=0, atol=0)
+
+
+def test_qwen3_vl_moe_checkpoint_loads_and_runs(qwen3_dir, tmp_path):
+    """The MoE member of the Qwen3-VL family: a tiny one made here from the tiny dense config."""
+    import transformers
+
+    ckpt = copy_without(qwen3_dir, tmp_path / "moe", "model.safetensors", "config.json")
+    dense = json.loads((qwen3_dir / "config.json").read_text())
+    text = {k: v for k, v in dense["text_config"].items() if k != "model_type"}
+    text.update(moe_intermediate_size=64, num_experts=4, num_experts_per_tok=2, tie_word_embeddings=False)
+    vision = {k: v for k, v in dense["vision_config"].items() if k != "model_type"}
+    ids = {k: dense[k] for k in ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")}
+    config = transformers.Qwen3VLMoeConfig(text_config=text, vision_config=vision, **ids)
+    transformers.Qwen3VLMoeForConditionalGeneration(config).save_pretrained(ckpt)
+    model, processor = load_model(ckpt), load_processor(ckpt)
+    assert type(model).__name__ == "Qwen3VLMoeForConditionalGeneration"
+    assert type(processor).__name__ == "Qwen3VLProcessor"
+    inputs = processor(images=[synthetic_image()], text=["<|vision_start|><|image_pad|><|vision_end|>img_1 what?"],
+                       return_tensors="pt")
+    with torch.no_grad():
+        logits = model(**inputs).logits
+    assert logits.shape[:2] == inputs["input_ids"].shape and torch.isfinite(logits).all()
 
 
 def test_missing_directory(tmp_path):
@@ -205,9 +226,11 @@ def test_missing_processor_files(qwen3_dir, tmp_path):
         load_processor(ckpt)
 
 
-def test_bad_dtype_and_device(qwen3_dir):
+def test_bad_dtype_attention_and_device(qwen3_dir):
     with pytest.raises(ModelLoadError, match="unknown dtype"):
         load_model(qwen3_dir, dtype="float8")
+    with pytest.raises(ModelLoadError, match="cannot load"):
+        load_model(qwen3_dir, attn_implementation="no_such_attention")
     if not torch.cuda.is_available():
         with pytest.raises(ModelLoadError, match="cannot move"):
             load_model(qwen3_dir, device="cuda")
