@@ -129,6 +129,9 @@ def load_model(
     ``attn_implementation``: "sdpa", "eager", "flash_attention_2", ... or None for the
     transformers default. Any weight the checkpoint lacks is a ``ModelLoadError``, never a
     silently random-initialised tensor.
+
+    The weights are read into CPU memory and then moved, rather than placed with ``device_map``:
+    that needs ``accelerate``, and the large-model GPU paths (DeepSpeed, vLLM) load their own way.
     """
     path = Path(path)
     cfg = read_config(path)
