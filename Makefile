@@ -54,10 +54,10 @@ mutation: setup
 
 # A loopback-only head node for `ray job submit` (see README).
 ray-up: setup
-	$(VENV)/bin/ray start --head --node-ip-address=127.0.0.1 --dashboard-host=127.0.0.1 --disable-usage-stats
+	$(PY) -m osvl.cluster up
 
 ray-down:
-	$(VENV)/bin/ray stop
+	$(PY) -m osvl.cluster down
 
 clean-venv:
 	rm -rf $(VENV)

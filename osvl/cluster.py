@@ -74,3 +74,88 @@ def start_serve(http_port: int | None = None) -> int:
     port = http_port or free_port()
     serve.start(http_options={"host": LOOPBACK, "port": port})
     return port
+
+
+# ---------------------------------------------------------------------------
+# A loopback-only head node for `ray job submit` (make ray-up / make ray-down).
+
+HEAD_TEMP_DIR = os.environ.get("OSVL_RAY_TEMP_DIR", "/tmp/osvl-ray")
+DASHBOARD_PORT = int(os.environ.get("OSVL_DASHBOARD_PORT", "8265"))
+
+
+def head_up() -> str:
+    """``ray start --head`` on 127.0.0.1 with its own temp dir; returns the job-submission address.
+
+    Every port but the dashboard's is picked free, so a head can start next to test
+    clusters (Ray's fixed defaults, e.g. the agent's 52365, would collide). The own
+    temp dir lets ``head_down`` stop exactly this head, where ``ray stop`` would kill
+    every Ray process on the machine.
+    """
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+    from pathlib import Path
+
+    bin_dir = Path(sys.executable).parent
+    # Jobs run `python ...` through the head's PATH: make that this environment's python.
+    env = {**os.environ, **loopback_env(), "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"}
+    ray_bin = str(bin_dir / "ray")
+    agent_port = free_port()
+    cmd = [ray_bin, "start", "--head", f"--node-ip-address={LOOPBACK}", f"--dashboard-host={LOOPBACK}",
+           f"--dashboard-port={DASHBOARD_PORT}", f"--port={free_port()}", f"--temp-dir={HEAD_TEMP_DIR}",
+           f"--dashboard-agent-listen-port={agent_port}", f"--dashboard-agent-grpc-port={free_port()}",
+           f"--runtime-env-agent-port={free_port()}", f"--metrics-export-port={free_port()}",
+           f"--ray-client-server-port={free_port()}", "--disable-usage-stats"]
+    subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL)
+    address = f"http://{LOOPBACK}:{DASHBOARD_PORT}"
+    # The job agent comes up seconds after the head; a submission before that fails with
+    # "No available agent", so wait for the agent's own health endpoint.
+    agent = f"http://{LOOPBACK}:{agent_port}/api/local_raylet_healthz"
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        try:
+            with urllib.request.urlopen(agent, timeout=2):
+                return address
+        except OSError:
+            time.sleep(1)
+    return address
+
+
+def head_down() -> int:
+    """Stop the processes of the head started by ``head_up`` (and only those); returns how many."""
+    import psutil
+
+    procs = []
+    for proc in psutil.process_iter(["cmdline"]):
+        try:
+            if HEAD_TEMP_DIR in " ".join(proc.info["cmdline"] or []) and proc.pid != os.getpid():
+                procs.append(proc)
+                procs.extend(proc.children(recursive=True))
+        except psutil.Error:
+            continue
+    for proc in procs:
+        try:
+            proc.terminate()
+        except psutil.Error:
+            pass
+    _, alive = psutil.wait_procs(procs, timeout=15)
+    for proc in alive:
+        try:
+            proc.kill()
+        except psutil.Error:
+            pass
+    return len(procs)
+
+
+if __name__ == "__main__":
+    import sys
+
+    if sys.argv[1:] == ["up"]:
+        addr = head_up()
+        print(f"Ray head on {addr} (loopback only). Submit with:\n"
+              f"  RAY_AUTH_MODE=token .venv/bin/ray job submit --address {addr} -- python jobs/NAME.py")
+    elif sys.argv[1:] == ["down"]:
+        print(f"stopped {head_down()} Ray processes")
+    else:
+        raise SystemExit("usage: python -m osvl.cluster up|down")
