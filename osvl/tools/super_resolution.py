@@ -194,7 +194,7 @@ def make_lr(hr: np.ndarray, scale: int = 4) -> np.ndarray:
 def bicubic_upscale(lr: np.ndarray, scale: int = 4) -> np.ndarray:
     """The baseline: the same bicubic upsample the skip connection uses, rounded to uint8."""
     torch = _torch()
-    x = torch.from_numpy(lr).permute(2, 0, 1)[None].float() / 255.0
+    x = torch.from_numpy(np.array(lr)).permute(2, 0, 1)[None].float() / 255.0  # copy: PIL arrays are read-only
     y = torch.nn.functional.interpolate(x, scale_factor=scale, mode="bicubic", align_corners=False)
     return y.clamp(0, 1).mul(255).round().to(torch.uint8)[0].permute(1, 2, 0).numpy()
 
