@@ -304,3 +304,14 @@ def test_ocr_tesseract_backend_reads_the_sentence():
     r = call_tool(REGISTRY["ocr"], {"image": "img_1"}, ctx)
     assert r.ok, r.text
     assert char_error_rate(r.data["text"], SENTENCE) <= 0.10
+
+
+def test_perspective_on_real_photos(shared_data):
+    """sudoku.png: the square grid photographed at an angle comes back near-square; box.png (textured
+    scene, no page) gives no quadrilateral rather than its own frame."""
+    r = _call("perspective_correct", {"image": "img_1"}, {"img_1": _photo(shared_data, "sudoku.png")})
+    assert r.ok and "img_2" in r.images
+    h, w = r.images["img_2"].shape[:2]
+    assert 0.9 < w / h < 1.1 and min(h, w) > 400
+    r = _call("perspective_correct", {"image": "img_1"}, {"img_1": _photo(shared_data, "box.png")})
+    assert r.ok and not r.images and r.data["corners"] is None

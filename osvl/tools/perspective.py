@@ -22,6 +22,9 @@ from osvl.tools.base import Tool, ToolContext, ToolResult, register
 
 MIN_AREA_FRACTION = 0.1
 """Smaller quadrilaterals are usually text boxes or windows, not the page the agent wants flattened."""
+FRAME_TOLERANCE = 0.03
+"""A quadrilateral whose corners all lie within this share of the diagonal from the image's corners is the
+frame itself (a bordered scan, or texture whose edges merge into one blob): flattening it changes nothing."""
 
 
 def order_corners(pts: np.ndarray) -> np.ndarray:
@@ -72,13 +75,18 @@ def find_quad(img: np.ndarray) -> np.ndarray | None:
     edges = cv2.Canny(gray, 50, 150)
     edges = cv2.dilate(edges, np.ones((3, 3), np.uint8))
     contours, _ = cv2.findContours(edges, cv2.RETR_EXTERNAL, cv2.CHAIN_APPROX_NONE)
-    min_area = MIN_AREA_FRACTION * img.shape[0] * img.shape[1]
+    h, w = img.shape[:2]
+    min_area = MIN_AREA_FRACTION * h * w
+    frame = np.array([[0, 0], [w - 1, 0], [w - 1, h - 1], [0, h - 1]], np.float64)
     for c in sorted(contours, key=cv2.contourArea, reverse=True)[:10]:
         if cv2.contourArea(c) < min_area:
             break
         approx = cv2.approxPolyDP(c, 0.02 * cv2.arcLength(c, True), True)
-        if len(approx) == 4 and cv2.isContourConvex(approx):
-            return _refine(c, order_corners(approx.reshape(4, 2)))
+        if len(approx) != 4 or not cv2.isContourConvex(approx):
+            continue
+        corners = order_corners(approx.reshape(4, 2))
+        if np.hypot(*(corners - frame).T).max() > FRAME_TOLERANCE * np.hypot(h, w):
+            return _refine(c, corners)
     return None
 
 
