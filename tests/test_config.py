@@ -60,6 +60,15 @@ class Job:
     workers: int = opt(2, "Worker count.", hashed=False)
 
 
+@dataclasses.dataclass
+class Mixed:
+    sec: Model  # a required section: from_dict builds it from the class
+    plain: int = 3  # declared without opt: no doc, hashed
+    maybe: Model | None = opt(None, "An optional section.")
+    stages: list[Model] = opt([], "Sections in a list.")
+    floor: None | int = opt(None, "None spelled first.")
+
+
 def err(fn, *args, **kwargs) -> str:
     with pytest.raises(ConfigError) as info:
         fn(*args, **kwargs)
@@ -74,6 +83,7 @@ def configs_dir(tmp_path, monkeypatch):
     (root / "toy" / "demo.yaml").write_text("steps: 3\nmodel:\n  hidden: 8\n")
     (root / "toy" / "production.yml.bak").write_text("ignored: 1\n")
     (root / "toy" / "production.yaml").write_text("steps: 1000\nlr: 1e-5\n")
+    (root / "stray.yaml").write_text("steps: 1\n")  # not a profile of any job
     monkeypatch.setattr(C, "CONFIG_DIR", root)
     return root
 
@@ -105,6 +115,52 @@ def test_opt_metadata_and_fresh_mutable_defaults():
     assert (b.layers, b.weights, b.model.hidden, b.big.hidden) == ([1, 2], {"a": 1.0}, 16, 64)
     run_fields = {f.name: f.metadata["hashed"] for f in dataclasses.fields(RunConfig)}
     assert run_fields == {"root": False, "seed": True, "name": False}
+
+
+def test_opt_builds_fields():
+    f = opt(3, "three")
+    assert f.default == 3 and f.default_factory is dataclasses.MISSING
+    assert dict(f.metadata) == {"doc": "three", "hashed": True}
+    assert dict(opt(3, "d", hashed=False).metadata) == {"doc": "d", "hashed": False}
+    assert opt(str, "a type as a plain value").default is str
+    nested = [[1], {"a": [2]}]
+    f = opt(nested, "nested list")
+    assert f.default is dataclasses.MISSING and dict(f.metadata) == {"doc": "nested list", "hashed": True}
+    got = f.default_factory()
+    assert got == nested and got is not nested and got[0] is not nested[0] and got[1]["a"] is not nested[1]["a"]
+    f = opt({"k": [1]}, "dict", hashed=False)
+    f.default_factory()["k"].append(2)
+    assert f.default_factory() == {"k": [1]} and dict(f.metadata) == {"doc": "dict", "hashed": False}
+    f = opt(Model, "section type")
+    assert f.default_factory is Model and dict(f.metadata) == {"doc": "section type", "hashed": True}
+    m = Model(hidden=3)
+    f = opt(m, "section instance", hashed=False)
+    got = f.default_factory()
+    assert got == m and got is not m and dict(f.metadata) == {"doc": "section instance", "hashed": False}
+
+
+def test_sections_in_unions_lists_and_required():
+    cfg = from_dict(Mixed, {"sec": {"hidden": 3}})
+    assert cfg == Mixed(sec=Model(hidden=3), plain=3, maybe=None, stages=[], floor=None)
+    cfg = from_dict(Mixed, {"sec": {}, "maybe": {"hidden": 2}, "stages": [{"hidden": 1}, {"act": "relu"}]})
+    assert cfg.maybe == Model(hidden=2) and cfg.stages == [Model(hidden=1), Model(act="relu")]
+    assert err(from_dict, Mixed, {"sec": {}, "stages": [{"hidden": "x"}]}) == \
+        "stages[0].hidden: expected int, got str 'x'"
+    assert err(from_dict, Mixed, {"sec": {}, "stages": [{}, {"hiden": 1}]}).startswith(
+        "unknown config key 'stages[1].hiden' (did you mean 'hidden'?)")
+    assert err(from_dict, Mixed, {"sec": {}, "stages": [3]}) == "stages[0]: expected a mapping for section Model, got 3"
+    assert err(from_dict, Mixed, {"sec": {}, "maybe": {"hiden": 1}}) == \
+        "maybe: {'hiden': 1} is not Model | None"
+    cfg = Mixed(sec=Model())
+    assert apply_override(cfg, "floor", "5").floor == 5 and apply_override(cfg, "floor", "none").floor is None
+    assert err(apply_override, cfg, "floor", "x") == "floor: cannot read 'x' as None | int"
+    assert C._hashed_dict(cfg) == {"sec": {"hidden": 16, "dropout": 0.1, "act": "gelu"}, "plain": 3, "maybe": None,
+                                   "stages": [], "floor": None}
+    assert format_help(Mixed, defaults=cfg).split("\n")[2:7] == [
+        "[sec] ", "  --sec.hidden=16  (int)", "      Hidden size.", "  --sec.dropout=0.1  (float)",
+        "      Dropout probability."]
+    assert "  --plain=3  (int)\n      \n  --maybe=null  (Model | None)\n      An optional section." \
+        in format_help(Mixed, defaults=cfg)
 
 
 def test_default_run_root_follows_env(tmp_path):
@@ -196,6 +252,9 @@ def test_unknown_keys_name_valid_ones_and_suggest():
     assert err(from_dict, Job, {"run": {"sed": 3}}) == (
         "unknown config key 'run.sed' (did you mean 'seed'?); valid keys here: name, root, seed")
     assert err(from_dict, Job, {"big": {"x": 1}}, prefix="p.").startswith("unknown config key 'p.big.x'; valid")
+    assert err(from_dict, Job, {"lbl": 1}, prefix="p.") == (
+        "unknown config key 'p.lbl' (did you mean 'label'?); valid keys here: big, either, extra, label, layers, "
+        "level, limit, lr, mode, model, note, run, steps, tags, use_kl, weights, workers")
 
 
 def test_unsupported_field_type():

@@ -151,25 +151,34 @@ def test_images_user_first_tool_after():
         f"<|im_start|>user\n<tool_response>\ntwo\n</tool_response>\n{v}img_4\n{v}img_5<|im_end|>\n")
 
 
-@pytest.mark.parametrize("messages, match", [
-    ("not a list", "list of dicts"),
-    (["user: hi"], "not a dict"),
-    ([{"role": "robot", "content": "x"}], "role must be one of"),
-    ([{"content": "x"}], "role must be one of"),
-    ([{"role": "user", "content": "x"}, {"role": "system", "content": "s"}], "system message may only come first"),
-    ([{"role": "user", "content": None}], "content must be a str"),
-    ([{"role": "user", "content": ["a"]}], "content must be a str"),
-    ([{"role": "user", "content": "x", "images": "img_1"}], "images must be a list"),
-    ([{"role": "user", "content": "x", "images": [1]}], "images must be a list"),
-    ([{"role": "assistant", "content": "x", "images": ["img_1"]}], "only user and tool"),
-    ([{"role": "system", "content": "x", "images": ["img_1"]}], "only user and tool"),
-    ([{"role": "user", "content": "x", "images": ["img_2"]}], "should be named 'img_1'"),
-    ([{"role": "user", "content": "x", "images": ["img_1"]},
-      {"role": "tool", "content": "y", "images": ["img_1"]}], "should be named 'img_2'"),
+ROLES = "('system', 'user', 'assistant', 'tool')"
+
+
+@pytest.mark.parametrize("messages, message", [
+    ("not a list", "messages must be a list of dicts, got str"),
+    (["user: hi"], "message 0 is not a dict: 'user: hi'"),
+    ([{"role": "robot", "content": "x"}], f"message 0: role must be one of {ROLES}, got 'robot'"),
+    ([{"content": "x"}], f"message 0: role must be one of {ROLES}, got None"),
+    ([{"role": "user", "content": "x"}, {"role": "system", "content": "s"}],
+     "message 1: a system message may only come first"),
+    ([{"role": "user", "content": None}], "message 0: content must be a str, got NoneType"),
+    ([{"role": "user", "content": ["a"]}], "message 0: content must be a str, got list"),
+    ([{"role": "user", "content": "x", "images": "img_1"}],
+     "message 0: images must be a list of image names, got 'img_1'"),
+    ([{"role": "user", "content": "x", "images": [1]}], "message 0: images must be a list of image names, got [1]"),
+    ([{"role": "assistant", "content": "x", "images": ["img_1"]}],
+     "message 0: only user and tool messages carry images, not 'assistant'"),
+    ([{"role": "system", "content": "x", "images": ["img_1"]}],
+     "message 0: only user and tool messages carry images, not 'system'"),
+    ([{"role": "user", "content": "x", "images": ["img_2"]}],
+     "message 0: image 'img_2' should be named 'img_1' (images are numbered in order of appearance)"),
+    ([{"role": "user", "content": "x", "images": ["img_1"]}, {"role": "tool", "content": "y", "images": ["img_1"]}],
+     "message 1: image 'img_1' should be named 'img_2' (images are numbered in order of appearance)"),
 ])
-def test_render_rejects_malformed_messages(messages, match):
-    with pytest.raises(DataError, match=match):
+def test_render_rejects_malformed_messages(messages, message):
+    with pytest.raises(DataError) as info:
         render(messages)
+    assert str(info.value) == message
 
 
 def test_render_accepts_tuples_and_missing_images():
@@ -180,8 +189,9 @@ def test_render_accepts_tuples_and_missing_images():
 
 @pytest.mark.parametrize("tools", ["crop", [["crop"]], [{"type": "function"}, "crop"], None])
 def test_system_prompt_rejects_non_schemas(tools):
-    with pytest.raises(DataError, match="list of JSON-schema dicts"):
+    with pytest.raises(DataError) as info:
         system_prompt(tools)
+    assert str(info.value) == f"tools must be a list of JSON-schema dicts, got {tools!r}"
 
 
 def test_system_prompt_accepts_tuple():
@@ -202,25 +212,32 @@ def test_builders():
         assert tool_error_text(kind, "m s g") == f"Error ({kind}): m s g"
 
 
-@pytest.mark.parametrize("call, match", [
-    (lambda: tool_call_text("", {}), "non-empty str"),
-    (lambda: tool_call_text(3, {}), "non-empty str"),
-    (lambda: tool_call_text("crop", []), "must be a dict, got list"),
-    (lambda: assistant_text("t"), "exactly one action"),
-    (lambda: assistant_text("t", response="r", tool_call={"name": "crop", "arguments": {}}), "exactly one action"),
-    (lambda: assistant_text("a</think>b", response="r"), "think must be a str without"),
-    (lambda: assistant_text(None, response="r"), "think must be a str"),
-    (lambda: assistant_text("t", response="a</response>"), "response must be a str without"),
-    (lambda: assistant_text("t", response=5), "response must be a str"),
-    (lambda: assistant_text("t", tool_call={"name": "crop"}), "tool_call must be"),
-    (lambda: assistant_text("t", tool_call={"name": "crop", "arguments": {}, "x": 1}), "tool_call must be"),
-    (lambda: assistant_text("t", tool_call=("crop", {})), "tool_call must be"),
-    (lambda: assistant_text("t", tool_call={"name": "crop", "arguments": 1}), "must be a dict"),
-    (lambda: tool_error_text("oops", "m"), "tool error kind must be one of"),
+@pytest.mark.parametrize("call, message", [
+    (lambda: tool_call_text("", {}), "tool name must be a non-empty str, got ''"),
+    (lambda: tool_call_text(3, {}), "tool name must be a non-empty str, got 3"),
+    (lambda: tool_call_text("crop", []), "tool arguments must be a dict, got list"),
+    (lambda: assistant_text("t"), "an assistant turn has exactly one action: pass tool_call or response"),
+    (lambda: assistant_text("t", response="r", tool_call={"name": "crop", "arguments": {}}),
+     "an assistant turn has exactly one action: pass tool_call or response"),
+    (lambda: assistant_text("a</think>b", response="r"), "think must be a str without '</think>', got 'a</think>b'"),
+    (lambda: assistant_text(None, response="r"), "think must be a str without '</think>', got None"),
+    (lambda: assistant_text("t", response="a</response>"),
+     "response must be a str without '</response>', got 'a</response>'"),
+    (lambda: assistant_text("t", response=5), "response must be a str without '</response>', got 5"),
+    (lambda: assistant_text("t", tool_call={"name": "crop"}),
+     "tool_call must be {'name': ..., 'arguments': {...}}, got {'name': 'crop'}"),
+    (lambda: assistant_text("t", tool_call={"name": "crop", "arguments": {}, "x": 1}),
+     "tool_call must be {'name': ..., 'arguments': {...}}, got {'name': 'crop', 'arguments': {}, 'x': 1}"),
+    (lambda: assistant_text("t", tool_call=("crop", {})),
+     "tool_call must be {'name': ..., 'arguments': {...}}, got ('crop', {})"),
+    (lambda: assistant_text("t", tool_call={"name": "crop", "arguments": 1}), "tool arguments must be a dict, got int"),
+    (lambda: tool_error_text("oops", "m"),
+     "tool error kind must be one of ('invalid_call', 'tool_error', 'timeout', 'unavailable'), got 'oops'"),
 ])
-def test_builders_reject_bad_input(call, match):
-    with pytest.raises(DataError, match=match):
+def test_builders_reject_bad_input(call, message):
+    with pytest.raises(DataError) as info:
         call()
+    assert str(info.value) == message
 
 
 # ---------------------------------------------------------------------------
@@ -314,27 +331,39 @@ def test_every_kind_has_a_crasher():
     assert set(CRASHERS) == set(PARSE_ERROR_KINDS)
 
 
-def test_parse_error_messages_say_what_is_wrong():
-    cases = [
-        ("x <think>a</think><response>y</response>", "text before <think>: 'x '"),
-        ("<think>a</think><response>y</response> and more", "text after the action: 'and more'"),
-        ("<think>a</think> so <response>y</response>", "text between </think> and the action: 'so <response>"),
-        ('<think>a</think><tool_call>{"name": "zoom", "arguments": {}}</tool_call>',
-         "no tool named 'zoom'; offered: ['crop', 'ocr']"),
-        ("<think>a</think><tool_call>{x}</tool_call>", "tool call body is not JSON: Expecting property name"),
-        ("<think>a", "<think> is never closed"),
-        ("<think>a</think><response>b", "<response> is never closed"),
-        ('<think>a</think><tool_call>{"name": "crop", "arguments": {}}', "<tool_call> is never closed"),
-        ("<think>a</think>", "no <tool_call> or <response> after </think>"),
-        ("a", "the turn does not start with <think>"),
-    ]
-    for text, message in cases:
-        with pytest.raises(ParseError) as info:
-            parse_turn(text, {"ocr", "crop"})
-        assert info.value.message.startswith(message), (text, info.value.message)
-    with pytest.raises(ParseError, match="expected a str, got bytes") as info:
-        parse_turn(b"<think>a</think><response>b</response>", NAMES)
-    assert info.value.kind == "missing_tag"
+LONG = "y" * 100
+
+
+@pytest.mark.parametrize("text, message", [
+    ("x <think>a</think><think>b</think><response>y</response>", "text before <think>: 'x '"),
+    (LONG + "<think>a</think><response>y</response>", f"text before <think>: {LONG[:80]!r}"),
+    ("<think>a</think><response>y</response> and more ", "text after the action: 'and more'"),
+    (f"<think>a</think><response>y</response>{LONG}", f"text after the action: {LONG[:80]!r}"),
+    ("<think>a</think> so <response>y</response>", "text between </think> and the action: 'so <response>y</response>'"),
+    (f"<think>a</think>{LONG}<response>y</response>", f"text between </think> and the action: {LONG[:80]!r}"),
+    ("<think>a</think><response>y</response><response>z</response>",
+     "a turn has exactly one <tool_call> or <response>"),
+    ('<think>a</think><tool_call>{"name": "zoom", "arguments": {}}</tool_call>',
+     "no tool named 'zoom'; offered: ['crop', 'ocr']"),
+    ("<think>a</think><tool_call>{x}</tool_call>",
+     "tool call body is not JSON: Expecting property name enclosed in double quotes: line 1 column 2 (char 1)"),
+    ('<think>a</think><tool_call>{"name": "crop"}</tool_call>', 'tool call must be {"name": ..., "arguments": {...}}'),
+    ('<think>a</think><tool_call>{"name": 1, "arguments": {}}</tool_call>',
+     "tool call name must be a string and arguments an object"),
+    ('<think>a</think><tool_call>{"name": "crop", "arguments": {}}x</tool_call>',
+     "text after the JSON inside <tool_call>"),
+    ("<think>a", "<think> is never closed"),
+    ("<think>a</think><response>b", "<response> is never closed"),
+    ('<think>a</think><tool_call>{"name": "crop", "arguments": {}}', "<tool_call> is never closed"),
+    ("<think>a</think>", "no <tool_call> or <response> after </think>"),
+    ("a", "the turn does not start with <think>"),
+    (b"<think>a</think><response>b</response>", "expected a str, got bytes"),
+])
+def test_parse_error_messages_say_what_is_wrong(text, message):
+    with pytest.raises(ParseError) as info:
+        parse_turn(text, {"ocr", "crop"})
+    assert info.value.message == message
+    assert str(info.value) == f"{info.value.kind}: {message}"
 
 
 def test_format_score_of_good_turns():

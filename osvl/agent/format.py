@@ -276,23 +276,22 @@ def parse_turn(text: str, tool_names: Collection[str]) -> ParsedTurn:
         raise ParseError("missing_tag", f"expected a str, got {type(text).__name__}")
     t = text.strip()
     if t.endswith(IM_END):
-        t = t[: -len(IM_END)].rstrip()
+        t = t[: -len(IM_END)]  # whitespace left before it is trailing, which every branch below allows
     if not t.startswith(THINK_OPEN):
         if THINK_OPEN in t:
             raise ParseError("trailing_text", f"text before {THINK_OPEN}: {t[:t.index(THINK_OPEN)][:80]!r}")
         raise ParseError("missing_tag", f"the turn does not start with {THINK_OPEN}")
-    end = t.find(THINK_CLOSE, len(THINK_OPEN))
-    if end < 0:
+    think, closed, rest = t[len(THINK_OPEN):].partition(THINK_CLOSE)
+    if not closed:
         raise ParseError("missing_tag", f"{THINK_OPEN} is never closed")
-    think = t[len(THINK_OPEN):end]
-    rest = t[end + len(THINK_CLOSE):].lstrip()
+    rest = rest.lstrip()
 
     if rest.startswith(RESPONSE_OPEN):
-        close = rest.find(RESPONSE_CLOSE)
-        if close < 0:
+        response, closed, after = rest[len(RESPONSE_OPEN):].partition(RESPONSE_CLOSE)
+        if not closed:
             raise ParseError("missing_tag", f"{RESPONSE_OPEN} is never closed")
-        _after_action(rest[close + len(RESPONSE_CLOSE):])
-        return ParsedTurn(think=think, action="response", response=rest[len(RESPONSE_OPEN):close])
+        _after_action(after)
+        return ParsedTurn(think=think, action="response", response=response)
 
     if rest.startswith(TOOL_CALL_OPEN):
         body = rest[len(TOOL_CALL_OPEN):]
