@@ -342,38 +342,50 @@ def _apply_filter_stage(cfg: SynthConfig, table: pa.Table) -> pa.Table:
         stage_cls = getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError, ValueError) as e:
         raise ConfigError(f"filter.stage {cfg.filter.stage!r} cannot be imported: {e}") from None
-    ds = ray.data.from_arrow(table).map_batches(stage_cls, batch_format="pyarrow", concurrency=cfg.filter.concurrency,
-                                                num_gpus=cfg.filter.num_gpus or None)
+    ds = ray.data.from_arrow(table).map_batches(stage_cls, batch_format="pyarrow", num_gpus=cfg.filter.num_gpus or None,
+                                                compute=ray.data.ActorPoolStrategy(size=cfg.filter.concurrency))
     parts = [pa.Table.from_batches([b]) if isinstance(b, pa.RecordBatch) else b
              for b in ds.iter_batches(batch_format="pyarrow", batch_size=None)]
     return pa.concat_tables(parts).cast(ROW_SCHEMA) if parts else table.slice(0, 0)
 
 
+def _largest_cap(sizes: list[int], share: float) -> int | None:
+    """Largest per-group cap k with k <= share * sum(min(size, k)); None when even k = 1 fails."""
+    for k in range(max(sizes, default=0), 0, -1):
+        if k <= share * sum(min(c, k) for c in sizes):
+            return k
+    return None
+
+
 def cap_shares(table: pa.Table, max_answer_share: float, max_seed_share: float, drops: Counter[str]) -> pa.Table:
-    """Drop the surplus of over-represented answers and seeds, keeping the lowest ids (deterministic)."""
+    """Drop the surplus of over-represented seeds, then answers, keeping the lowest ids (deterministic).
+
+    The cap is the largest one that still holds *after* the drop. When it cannot hold
+    at all (fewer groups than 1 / share), nothing is dropped and the data card shows it.
+    """
     table = table.sort_by("id")
-    answers = [fold(a) for a in table.column("answer").to_pylist()]
-    seeds = [p[0]["entity_id"] for p in table.column("path").to_pylist()]
+    groups = {"seed_share_cap": [p[0]["entity_id"] for p in table.column("path").to_pylist()],
+              "answer_share_cap": [fold(a) for a in table.column("answer").to_pylist()]}
     keep = list(range(table.num_rows))
-    for _ in range(20):  # dropping rows lowers the total, so the caps tighten; a few rounds settle it
-        n = len(keep)
-        answer_cap, seed_cap = max(1, int(max_answer_share * n)), max(1, int(max_seed_share * n))
-        a_seen: Counter[str] = Counter()
-        s_seen: Counter[int] = Counter()
-        kept = []
-        for i in keep:
-            if a_seen[answers[i]] >= answer_cap:
-                drops["answer_share_cap"] += 1
+    for _ in range(3):  # the answer cap lowers the total a little; a second pass settles the seed cap
+        changed = False
+        for reason, share in (("seed_share_cap", max_seed_share), ("answer_share_cap", max_answer_share)):
+            labels = groups[reason]
+            cap = _largest_cap(list(Counter(labels[i] for i in keep).values()), share)
+            if cap is None:
+                drops[f"{reason}_infeasible"] = 1
                 continue
-            if s_seen[seeds[i]] >= seed_cap:
-                drops["seed_share_cap"] += 1
-                continue
-            a_seen[answers[i]] += 1
-            s_seen[seeds[i]] += 1
-            kept.append(i)
-        if len(kept) == n:
+            seen: Counter[Any] = Counter()
+            kept = []
+            for i in keep:
+                seen[labels[i]] += 1
+                if seen[labels[i]] <= cap:
+                    kept.append(i)
+            drops[reason] += len(keep) - len(kept)
+            changed |= len(kept) != len(keep)
+            keep = kept
+        if not changed:
             break
-        keep = kept
     return table.take(pa.array(keep, type=pa.int64()))
 
 
@@ -490,7 +502,8 @@ def run(cfg: SynthConfig, *, log: Any = print) -> tuple[Path, dict[str, Any]]:
         init_ray()
         ds = ray.data.from_items([{"shard": k} for k in todo], override_num_blocks=len(todo))
         ds = ds.map_batches(ShardWorker, fn_constructor_kwargs={"cfg": to_dict(cfg), "out_dir": str(out)},
-                            batch_size=1, concurrency=min(cfg.workers, len(todo)), num_cpus=1)
+                            batch_size=1, num_cpus=1,
+                            compute=ray.data.ActorPoolStrategy(size=min(cfg.workers, len(todo))))
         finished = cfg.num_shards - len(todo)
         for row in ds.iter_rows():
             finished += 1

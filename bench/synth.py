@@ -1,0 +1,48 @@
+"""Synthesis throughput: questions/s with 1 and with 2 Ray Data workers, and their ratio.
+
+``python bench/synth.py [--kg_dir=DIR] [--questions_per_seed=N]``: runs the same
+synthesis twice on one local Ray cluster, into fresh temporary run roots (so
+nothing is resumed), once per worker count, and prints one JSON object last with
+``ratio`` = (questions/s with 2 workers) / (questions/s with 1 worker). The time
+covers the whole job (graph loads in the actors, every shard, finalize), which is
+what a user waits for; the baseline is the 1-worker run.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from osvl.cluster import init_ray  # noqa: E402
+from osvl.config import apply_override  # noqa: E402
+from osvl.synth.pipeline import SynthConfig, run  # noqa: E402
+
+
+def main(argv: list[str]) -> None:
+    cfg = SynthConfig()
+    cfg = apply_override(cfg, "questions_per_seed", "40")
+    for arg in argv:
+        key, _, value = arg.removeprefix("--").partition("=")
+        cfg = apply_override(cfg, key, value)
+    init_ray(num_cpus=2)
+    result = {}
+    for workers in (1, 2):
+        with tempfile.TemporaryDirectory() as root:
+            c = apply_override(apply_override(cfg, "workers", str(workers)), "run.root", root)
+            t0 = time.perf_counter()
+            _, card = run(c, log=lambda _msg: None)
+            seconds = time.perf_counter() - t0
+        result[f"workers_{workers}"] = {"questions": card["questions"], "seconds": round(seconds, 2),
+                                        "questions_per_s": round(card["questions"] / seconds, 2)}
+        print(f"{workers} worker(s): {card['questions']} questions in {seconds:.1f} s", flush=True)
+    result["ratio"] = round(result["workers_2"]["questions_per_s"] / result["workers_1"]["questions_per_s"], 3)
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
