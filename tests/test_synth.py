@@ -347,3 +347,31 @@ def test_llm_rewriter_missing_key_env_is_a_config_error(graph):
     cfg = LLMConfig(base_url="http://127.0.0.1:9/v1", model="m", api_key_env="OSVL_TEST_UNSET_KEY_VAR")
     with pytest.raises(ConfigError):
         llm_rewrite(cfg, graph, [d], Counter())
+
+
+def test_shard_synthesis_with_the_llm_rewriter(graph, tmp_path):
+    """A whole shard through the LLM path: safe paraphrases are used and recorded, the rest keep the template."""
+    from osvl.config import apply_override
+    from osvl.synth.invariants import violations
+    from osvl.synth.pipeline import ImageStore, SynthConfig, plan, synthesize_shard
+
+    def reply(question):
+        if sum(map(ord, question)) % 2:
+            return 200, "Quick one: " + question
+        return 200, question.split(" of ", 1)[0] + " of the thing in the image?"  # lost every descriptor
+
+    with ChatServer(reply) as server:
+        cfg = SynthConfig(num_shards=2, questions_per_seed=6)
+        for key, value in [("rewriter.kind", "llm"), ("rewriter.base_url", f"http://127.0.0.1:{server.port}/v1"),
+                           ("rewriter.model", "tiny")]:
+            cfg = apply_override(cfg, key, value)
+        shards, split_of = plan(graph, cfg)
+        rows, counts = synthesize_shard(graph, cfg, 0, shards[0], split_of, ImageStore(graph, tmp_path / "img"))
+    assert len(rows) == 6 * len(shards[0]) and len(server.requests) == len(rows)
+    used = [r for r in rows if r["provenance"]["rewriter"] == "llm:tiny"]
+    assert 0 < len(used) < len(rows) and counts["rewriter"]["llm_used"] == len(used)
+    assert counts["rewriter"]["llm_dropped_descriptor"] == len(rows) - len(used)
+    for r in rows:
+        assert not violations(graph, r)
+        assert r["question"].startswith("Quick one: ") or " mentioned in the article on " in r["question"]
+    assert all(r["question"].startswith("Quick one: ") for r in used)

@@ -12,8 +12,8 @@ becomes a visual reference chosen by its category ("the animal shown").
 The template rewriter is the default: deterministic, fast, and correct by
 construction. The LLM rewriter (any OpenAI-compatible chat-completions endpoint)
 only rephrases the template question for fluency; since code cannot prove that a
-paraphrase kept the meaning, its output is accepted only if every descriptor
-value still occurs in it and it leaks nothing, else the template stands and the
+paraphrase kept the meaning, its output is accepted only if the answer key and
+every descriptor value still occur in it and it leaks nothing, else the template stands and the
 fallback is counted.
 """
 
@@ -174,7 +174,10 @@ PROMPT = ("Rewrite the question below so it reads naturally, as a curious person
 
 
 def _kept_descriptors(text: str, draft: Draft) -> bool:
+    """Every descriptor value, typed relation and the answer key still occur in the paraphrase."""
     padded = f" {fold(text)} "
+    if f" {fold(draft.answer_key)} " not in padded:
+        return False
     for step in draft.path[1:]:
         value = step["descriptor_value"] or step["relation"]
         if step["descriptor_kind"] == "category":
