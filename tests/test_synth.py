@@ -375,3 +375,16 @@ def test_shard_synthesis_with_the_llm_rewriter(graph, tmp_path):
         assert not violations(graph, r)
         assert r["question"].startswith("Quick one: ") or " mentioned in the article on " in r["question"]
     assert all(r["question"].startswith("Quick one: ") for r in used)
+
+
+def test_resume_refuses_shards_of_another_kg(tmp_path):
+    from osvl.synth.pipeline import check_same_kg
+    from osvl.synth.walks import Graph
+
+    kg = make_kg(tmp_path / "kg", n=60, n_seeds=3)
+    shards = tmp_path / "run" / "shards"
+    check_same_kg(Graph.load(kg), shards)
+    check_same_kg(Graph.load(kg), shards)  # same KG: resume is fine
+    make_kg(kg, n=60, n_seeds=3, seed=1)  # rebuilt with other links
+    with pytest.raises(ConfigError, match="another KG"):
+        check_same_kg(Graph.load(kg), shards)

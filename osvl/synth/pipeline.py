@@ -480,6 +480,20 @@ def finalize(cfg: SynthConfig, out: Path, num_shards: int, seconds: float) -> di
     return card
 
 
+def check_same_kg(graph: Graph, shard_dir: Path) -> None:
+    """Resume only over the KG the committed shards came from (the config hash cannot see a rebuilt KG)."""
+    digest = hashlib.sha256()
+    for name in ("entities.parquet", "links.parquet", "anchors.parquet"):
+        path = graph.root / name if graph.root else None
+        digest.update(path.read_bytes() if path and path.is_file() else b"")
+    stamp, fingerprint = shard_dir / "kg.sha256", digest.hexdigest()
+    shard_dir.mkdir(parents=True, exist_ok=True)
+    if stamp.is_file() and stamp.read_text().strip() != fingerprint:
+        raise ConfigError(f"{shard_dir.parent} holds shards made from another KG; pick a new --run.name "
+                          "or delete that folder to start over")
+    stamp.write_text(fingerprint + "\n")
+
+
 def run(cfg: SynthConfig, *, log: Any = print) -> tuple[Path, dict[str, Any]]:
     """Synthesize (resuming committed shards), finalize; returns the run folder and the data card."""
     import ray
@@ -495,6 +509,7 @@ def run(cfg: SynthConfig, *, log: Any = print) -> tuple[Path, dict[str, Any]]:
     if n_seeds == 0:
         raise ConfigError(f"the KG at {graph.root} has no seed entity (no anchor scoring >= "
                           f"{cfg.min_grounding_score}); nothing to synthesize")
+    check_same_kg(graph, out / "shards")
     todo = [k for k in range(cfg.num_shards) if not shard_path(out / "shards", k).exists()]
     log(f"synthesize: {len(graph.entities)} entities, {n_seeds} seeds in {cfg.num_shards} shards; "
         f"{cfg.num_shards - len(todo)} already done, {len(todo)} to run with {cfg.workers} workers -> {out}")
