@@ -114,13 +114,30 @@ class _ToolReplica:
         return result
 
 
+async def _resolve(images: Any) -> Any:
+    """Handle callers send images as ObjectRefs (read zero-copy from the object store); HTTP sends arrays."""
+    import ray
+
+    if not isinstance(images, dict) or not any(isinstance(v, ray.ObjectRef) for v in images.values()):
+        return images
+    keys = list(images)
+    values = await asyncio.gather(*[_await_ref(images[k]) for k in keys])
+    return dict(zip(keys, values, strict=True))
+
+
+async def _await_ref(value: Any) -> Any:
+    import ray
+
+    return await value if isinstance(value, ray.ObjectRef) else value
+
+
 @serve.deployment(ray_actor_options={"num_cpus": 0.1}, max_ongoing_requests=8,
                   autoscaling_config={"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 4})
 class ToolDeployment(_ToolReplica):
     """One tool, one call per request; the work runs in a thread so the replica keeps accepting requests."""
 
     async def __call__(self, arguments: Any, images: Any, new_image_name: str = "") -> ToolResult:
-        return await asyncio.to_thread(self._run, arguments, images, new_image_name)
+        return await asyncio.to_thread(self._run, arguments, await _resolve(images), new_image_name)
 
 
 def _load_edsr(options: dict[str, Any]) -> Any:
@@ -226,7 +243,7 @@ class BatchedToolDeployment(_ToolReplica):
                 self._model = None
 
     async def __call__(self, arguments: Any, images: Any, new_image_name: str = "") -> ToolResult:
-        return await self._batch((arguments, images, new_image_name))
+        return await self._batch((arguments, await _resolve(images), new_image_name))
 
     def _run_one(self, request: tuple[Any, Any, str], coalescer: _Coalescer | None) -> ToolResult:
         if coalescer is None:

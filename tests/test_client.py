@@ -151,6 +151,19 @@ def test_http_transport_maps_a_dead_server_to_unavailable_after_bounded_retries(
     assert stats == {"calls": 1, "attempts": 3, "retries": 2}
 
 
+def test_http_transport_refuses_what_it_cannot_send_without_a_request():
+    async def run():
+        client = ToolClient(HttpTransport(f"http://127.0.0.1:{free_port()}"), retries=2)
+        out = [await client.call("flip", {"image": "img_1"}, {"img_1": rgb().astype(np.float32)}),
+               await client.call("flip", {"image": object()}, {})]
+        await client.close()
+        return out, client.stats
+
+    out, stats = asyncio.run(run())
+    assert [r.error.kind for r in out] == ["invalid_call", "invalid_call"]
+    assert stats["retries"] == 0  # nothing was sent, so nothing was retried
+
+
 def test_make_client_checks_its_arguments():
     with pytest.raises(ValueError, match="url"):
         make_client("http")

@@ -31,6 +31,7 @@ import asyncio
 import base64
 import binascii
 import io
+import json
 import time
 import warnings
 from collections.abc import Mapping
@@ -58,6 +59,8 @@ def encode_image(arr: np.ndarray) -> str:
     """RGB uint8 array -> base64 PNG (lossless, so tools see exactly the pixels that were sent)."""
     import cv2
 
+    if not isinstance(arr, np.ndarray) or arr.dtype != np.uint8 or arr.ndim != 3 or arr.shape[2] != 3:
+        raise ValueError(f"expected an RGB uint8 array, got {type(arr).__name__} {getattr(arr, 'shape', '')}")
     ok, buf = cv2.imencode(".png", np.ascontiguousarray(arr[:, :, ::-1]), [cv2.IMWRITE_PNG_COMPRESSION, 1])
     if not ok:
         raise ValueError("PNG encoding failed")
@@ -184,11 +187,19 @@ def _ray_failure(name: str, e: BaseException) -> ToolResult:
 
 
 class HandleTransport:
-    """Call each tool's Serve deployment through a ``DeploymentHandle`` (inside the cluster)."""
+    """Call each tool's Serve deployment through a ``DeploymentHandle`` (inside the cluster).
+
+    Images go into Ray's object store once per array and travel as ``ObjectRef``s: an episode
+    sends ``img_1`` with every call, and re-serialising it each time costs more than most tools.
+    The cache is keyed by array identity (a weak reference, so the object is freed with the
+    array); arrays are treated as immutable values, as everywhere in osvl: an array changed in
+    place after a call would be sent stale.
+    """
 
     def __init__(self, app_name: str = "osvl_tools") -> None:
         self.app_name = app_name
         self._handles: dict[str, Any] = {}
+        self._refs: dict[int, tuple[Any, Any]] = {}  # id(array) -> (weakref to it, ObjectRef)
 
     def _handle(self, name: str) -> Any:
         if name not in self._handles:
@@ -197,15 +208,31 @@ class HandleTransport:
             self._handles[name] = serve.get_deployment_handle(DEPLOYMENT_PREFIX + name, app_name=self.app_name)
         return self._handles[name]
 
+    def _ref(self, arr: Any) -> Any:
+        import weakref
+
+        import ray
+
+        if not isinstance(arr, np.ndarray):
+            return arr  # the replica's validation answers invalid_call
+        key = id(arr)
+        hit = self._refs.get(key)
+        if hit is not None and hit[0]() is arr:
+            return hit[1]
+        ref = ray.put(arr)
+        self._refs[key] = (weakref.ref(arr, lambda _, key=key: self._refs.pop(key, None)), ref)
+        return ref
+
     async def call(self, name: str, arguments: Any, images: Mapping[str, np.ndarray], new_image_name: str,
                    timeout_s: float) -> ToolResult:
         try:
             handle = self._handle(name)
+            refs = {k: self._ref(v) for k, v in images.items()}
         except (KeyError, ValueError) as e:
             return ToolResult.fail("invalid_call", f"unknown tool {name!r} in app {self.app_name!r}: {e}")
         except Exception as e:  # noqa: BLE001 - controller unreachable, app not deployed
             return _ray_failure(name, e)
-        response = handle.remote(arguments, dict(images), new_image_name)
+        response = handle.remote(arguments, refs, new_image_name)
         try:
             return await asyncio.wait_for(response, timeout_s)
         except TimeoutError:
@@ -220,7 +247,14 @@ class HandleTransport:
         return await serve.get_deployment_handle("api", app_name=self.app_name).schemas.remote()
 
     async def close(self) -> None:
-        pass
+        self._refs.clear()
+
+
+def _request_body(arguments: Any, images: Mapping[str, np.ndarray], new_image_name: str) -> bytes:
+    body: dict[str, Any] = {"arguments": arguments, "images": {k: encode_image(v) for k, v in images.items()}}
+    if new_image_name:
+        body["new_image_name"] = new_image_name
+    return json.dumps(body).encode()
 
 
 class HttpTransport:
@@ -244,28 +278,31 @@ class HttpTransport:
                    timeout_s: float) -> ToolResult:
         import aiohttp
 
-        body = {"arguments": arguments, "images": {k: encode_image(v) for k, v in images.items()}}
-        if new_image_name:
-            body["new_image_name"] = new_image_name
         try:
-            async with self._sess().post(f"{self.url}/v1/tools/{name}", json=body,
+            data = await asyncio.to_thread(_request_body, arguments, images, new_image_name)
+        except (TypeError, ValueError) as e:  # not an image, or arguments that are not JSON
+            return ToolResult.fail("invalid_call", f"{name}: {e}")
+        try:
+            async with self._sess().post(f"{self.url}/v1/tools/{name}", data=data,
+                                         headers={"Content-Type": "application/json"},
                                          timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
                 status = resp.status
-                try:
-                    payload = await resp.json(content_type=None)
-                except ValueError:
-                    payload = None
+                raw = await resp.read()
         except TimeoutError:
             return ToolResult.fail("timeout", f"{name}: no HTTP answer within {timeout_s:g} s")
         except aiohttp.ClientError as e:
             return ToolResult.fail("unavailable", f"{name}: {type(e).__name__}: {e}")
-        if payload is None:
+        try:
+            payload = json.loads(raw)
+        except ValueError:
+            payload = None
+        if not isinstance(payload, dict):
             kind = {401: "invalid_call", 413: "invalid_call", 422: "invalid_call", 504: "timeout"}.get(
                 status, "unavailable")
             return ToolResult.fail(kind, f"{name}: HTTP {status} without a JSON body", limit=status == 413)
         if status in (401, 404) and not isinstance(payload.get("error"), dict):
             return ToolResult.fail("invalid_call", f"{name}: HTTP {status}: {str(payload)[:200]}")
-        return result_from_wire(payload)
+        return await asyncio.to_thread(result_from_wire, payload)  # PNG decoding is CPU work
 
     async def schemas(self) -> list[dict[str, Any]]:
         async with self._sess().get(f"{self.url}/v1/tools") as resp:

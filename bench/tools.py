@@ -1,0 +1,185 @@
+"""Tool throughput: in-process vs Serve deployment handles vs HTTP, and EDSR batched vs unbatched.
+
+    python bench/tools.py [--seconds=3] [--concurrency=8] [--replicas=2] [--tools=crop,sharpen,...]
+
+Every image tool runs on a 512x512 image (EDSR on 128x128 and 256x256 inputs) with the same
+number of concurrent clients on each transport; each cell is completed calls per second over
+``--seconds`` after one warm-up call. Then EDSR at 16 concurrent clients against a batched
+(``@serve.batch`` + one forward pass per batch) and an unbatched deployment with the same
+replica count. The last line is one JSON object; ``ratio`` is handle throughput over in-process
+throughput for sharpen at 512x512 (what a rollout actor pays for running tools in Serve
+instead of in its own process; higher is better).
+
+Images are synthetic or from scikit-image's bundled photos, so the benchmark needs no shared data.
+When the committed EDSR weights are missing, a freshly initialised model of the same
+architecture is used (throughput does not depend on the weight values).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from osvl.tools.client import HandleTransport, HttpTransport, InProcessTransport, ToolClient  # noqa: E402
+
+
+def astronaut() -> np.ndarray:
+    from skimage import data
+
+    return np.ascontiguousarray(data.astronaut())  # 512x512 RGB photo bundled with scikit-image
+
+
+def page(size: int = 512) -> np.ndarray:
+    """A rendered text page photographed at an angle (for OCR and perspective correction)."""
+    import cv2
+    from PIL import Image, ImageDraw, ImageFont
+
+    im = Image.new("RGB", (size, size), "white")
+    d = ImageDraw.Draw(im)
+    font = ImageFont.load_default(size=20)
+    for i in range(12):
+        d.text((24, 24 + 38 * i), f"Line {i}: the tool API benchmark page", fill="black", font=font)
+    doc = np.asarray(im)
+    src = np.float32([[0, 0], [size, 0], [size, size], [0, size]])
+    dst = np.float32([[60, 40], [480, 70], [500, 490], [30, 460]])
+    warped = cv2.warpPerspective(doc, cv2.getPerspectiveTransform(src, dst), (size, size))
+    mask = cv2.warpPerspective(np.full((size, size), 255, np.uint8), cv2.getPerspectiveTransform(src, dst),
+                               (size, size)) > 127
+    out = np.full_like(doc, 60)
+    out[mask] = warped[mask]
+    return out
+
+
+def cases() -> list[tuple[str, str, dict[str, Any], np.ndarray]]:
+    """(label, tool, arguments, image) rows of the main table."""
+    photo, doc = astronaut(), page()
+    return [
+        ("crop 512", "crop", {"image": "img_1", "x": 128, "y": 128, "width": 256, "height": 256}, photo),
+        ("sharpen 512", "sharpen", {"image": "img_1"}, photo),
+        ("perspective_correct 512", "perspective_correct", {"image": "img_1"}, doc),
+        ("ocr 512", "ocr", {"image": "img_1"}, doc),
+        ("super_resolution 128", "super_resolution", {"image": "img_1"}, photo[::4, ::4].copy()),
+        ("super_resolution 256", "super_resolution", {"image": "img_1"}, photo[::2, ::2].copy()),
+    ]
+
+
+async def throughput(client: ToolClient, tool: str, args: dict, img: np.ndarray, concurrency: int,
+                     seconds: float) -> tuple[float, int]:
+    """Completed calls per second with ``concurrency`` callers; also returns the number of failed calls."""
+    first = await client.call(tool, args, {"img_1": img})  # warm-up: model loads, connections
+    if not first.ok:
+        raise RuntimeError(f"{tool}: {first.text}")
+    done, failed = 0, 0
+    deadline = time.perf_counter() + seconds
+
+    async def worker() -> None:
+        nonlocal done, failed
+        while time.perf_counter() < deadline:
+            r = await client.call(tool, args, {"img_1": img})
+            done += 1
+            failed += not r.ok
+
+    start = time.perf_counter()
+    await asyncio.gather(*[worker() for _ in range(concurrency)])
+    return done / (time.perf_counter() - start), failed
+
+
+def edsr_options() -> dict[str, Any]:
+    from osvl.tools.super_resolution import DEFAULT_WEIGHTS, build_model, save_checkpoint
+
+    if DEFAULT_WEIGHTS.is_file():
+        return {}
+    path = Path(tempfile.mkdtemp()) / "edsr_x4_random.pth"
+    save_checkpoint(build_model(), path)
+    print(f"# {DEFAULT_WEIGHTS} missing: using a fresh model of the same architecture", flush=True)
+    return {"edsr_weights": str(path)}
+
+
+def main(argv: list[str]) -> dict[str, Any]:
+    opts = {"seconds": 3.0, "concurrency": 8, "replicas": 2, "tools": ""}
+    for arg in argv:
+        key, _, value = arg.removeprefix("--").partition("=")
+        if key not in opts:
+            raise SystemExit(f"unknown option --{key}; options: {sorted(opts)}")
+        opts[key] = type(opts[key])(value)
+    from ray import serve
+
+    from osvl.cluster import init_ray, start_serve
+    from osvl.tools.registry import all_tools
+    from serve.app import ServeConfig, make_app
+
+    tools = all_tools()
+    rows = [c for c in cases() if c[1] in tools and (not opts["tools"] or c[1] in opts["tools"].split(","))]
+    names = sorted({c[1] for c in rows})
+    options = edsr_options() if "super_resolution" in names else {}
+
+    init_ray(include_dashboard=False)
+    port = start_serve()
+    fixed = {"num_replicas": opts["replicas"], "autoscaling_config": None}
+    deployments = {"api": fixed, **{"tool_" + n: fixed for n in names}}
+    serve.run(make_app(tools, ServeConfig(tools=names, options=options), deployments), name="osvl_bench",
+              route_prefix="/")
+    clients = {
+        "inprocess": ToolClient(InProcessTransport(tools, options=options), timeout_s=300),
+        "handle": ToolClient(HandleTransport("osvl_bench"), timeout_s=300),
+        "http": ToolClient(HttpTransport(f"http://127.0.0.1:{port}"), timeout_s=300),
+    }
+    table: dict[str, dict[str, float]] = {}
+    failures = 0
+
+    async def run_table() -> None:
+        nonlocal failures
+        for label, tool, args, img in rows:
+            table[label] = {}
+            for transport, client in clients.items():
+                rate, failed = await throughput(client, tool, args, img, opts["concurrency"], opts["seconds"])
+                table[label][transport] = round(rate, 2)
+                failures += failed
+            print(f"{label:26s} " + "  ".join(f"{t} {v:8.2f}/s" for t, v in table[label].items()), flush=True)
+        await clients["http"].close()
+
+    asyncio.run(run_table())
+    batching: dict[str, float] = {}
+    if "super_resolution" in names:
+        serve.run(make_app(tools, ServeConfig(tools=["super_resolution"], batched=[], options=options),
+                           {"api": fixed, "tool_super_resolution": fixed}), name="osvl_bench_unbatched",
+                  route_prefix="/unbatched")
+        img = astronaut()[::4, ::4].copy()
+
+        async def run_batching() -> None:
+            nonlocal failures
+            for label, app in (("batched", "osvl_bench"), ("unbatched", "osvl_bench_unbatched")):
+                client = ToolClient(HandleTransport(app), timeout_s=300)
+                rate, failed = await throughput(client, "super_resolution", {"image": "img_1"}, img, 16,
+                                                2 * opts["seconds"])
+                batching[label] = round(rate, 2)
+                failures += failed
+
+        asyncio.run(run_batching())
+        print(f"EDSR 128 at 16 clients (handles): batched {batching['batched']}/s, "
+              f"unbatched {batching['unbatched']}/s", flush=True)
+    serve.shutdown()
+    sharpen = table.get("sharpen 512", {})
+    result = {
+        "ratio": round(sharpen["handle"] / sharpen["inprocess"], 3) if sharpen else None,
+        "baseline": "in-process calls at the same client concurrency",
+        "concurrency": opts["concurrency"], "replicas": opts["replicas"], "seconds": opts["seconds"],
+        "calls_per_s": table, "edsr_16_clients": batching,
+        "edsr_batched_over_unbatched": round(batching["batched"] / batching["unbatched"], 3) if batching else None,
+        "failed_calls": failures,
+    }
+    print(json.dumps(result))
+    return result
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
