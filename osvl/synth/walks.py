@@ -198,20 +198,21 @@ def assign_splits(graph: Graph, seeds: list[int], fractions: dict[str, float],
                   entity_fractions: dict[str, float], run_seed: int) -> dict[int, str]:
     """Give every entity one split: seeds in the exact proportions, the rest by a hash of their id.
 
-    Seeds are few (tens), so they are dealt out by rank to hit the question shares;
+    Seeds are few (tens), so they are dealt out (below) to hit the question shares;
     each seed's out-neighbours then join its split, and all other entities are hashed
     with ``entity_fractions`` (which may favour the
     small splits, whose walks otherwise starve in a thin subgraph).
     """
-    order = sorted(seeds, key=lambda e: _unit(run_seed, "seed", e))
+    # seeds with many out-links make many questions and seeds with few make few or none, so seeds are
+    # dealt in order of link count, each to the split furthest below its share so far: every split
+    # gets its share of rich and of poor seeds, and the totals match the fractions
+    order = sorted(seeds, key=lambda e: (-len(graph.neighbours(e)), _unit(run_seed, "seed", e)))
     split_of: dict[int, str] = {}
-    cum, start = 0.0, 0
-    for name in SPLITS:
-        cum += fractions[name]
-        end = len(order) if name == SPLITS[-1] else round(cum * len(order))
-        for e in order[start:end]:
-            split_of[e] = name
-        start = end
+    dealt: Counter[str] = Counter()
+    for i, e in enumerate(order):
+        name = max(SPLITS, key=lambda s: (fractions[s] * (i + 1) - dealt[s], fractions[s]))
+        split_of[e] = name
+        dealt[name] += 1
     # a seed claims its own out-neighbours first (small splits first: they need the room), so a seed
     # with few links is not cut off from all of them by the hash below
     for name in reversed(SPLITS):
