@@ -366,6 +366,12 @@ def test_parse_error_messages_say_what_is_wrong(text, message):
     assert str(info.value) == f"{info.value.kind}: {message}"
 
 
+def test_tool_names_must_not_be_a_str():
+    with pytest.raises(DataError) as info:
+        parse_turn('<think>a</think><tool_call>{"name": "cr", "arguments": {}}</tool_call>', "crop")
+    assert str(info.value) == "tool_names must be a collection of names, not the str 'crop'"
+
+
 def test_format_score_of_good_turns():
     assert format_score(assistant_text("t", response="r"), []) == 1.0
     assert format_score(assistant_text("t", tool_call={"name": "crop", "arguments": {}}), ["crop"]) == 1.0

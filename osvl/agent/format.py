@@ -170,7 +170,9 @@ def render(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = 
 
     ``tools`` (when non-empty) makes the system turn ``system_prompt(tools)``; a leading
     system message is then put before it, separated by a blank line, rather than
-    replacing it, so a teacher's instructions never lose the tool list.
+    replacing it, so a teacher's instructions never lose the tool list. A "tool" message
+    renders as a user turn wrapped in ``<tool_response>``. Malformed messages, and images
+    not named ``img_1, img_2, ...`` in order of appearance, raise ``DataError``.
     """
     _check_messages(messages)
     out = []
@@ -272,6 +274,8 @@ def parse_turn(text: str, tool_names: Collection[str]) -> ParsedTurn:
     after ``<tool_call>`` rather than cut at the first ``</tool_call>``, so argument
     strings containing ``</tool_call>``, ``<`` or braces come back intact.
     """
+    if isinstance(tool_names, str):  # "crop" would offer "c", "cr", ... through substring tests
+        raise DataError(f"tool_names must be a collection of names, not the str {tool_names!r}")
     if not isinstance(text, str):
         raise ParseError("missing_tag", f"expected a str, got {type(text).__name__}")
     t = text.strip()
