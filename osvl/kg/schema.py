@@ -25,7 +25,8 @@ Ray Data job can read or shard them without osvl.
     out_degree   int32    number of links leaving here (computed by ``write_kg``)
     kind         string   one of ``KINDS``: walks skip ``list``/``index``/``disambiguation``
                  pages as answers and as intermediate hops
-    origin       string   which loader made the row: ``wikispeedia``, ``wikidata``, ``mediawiki``
+    origin       string   which loader made the row: ``wikispeedia``, ``wikidata``, ``mediawiki``,
+                 ``manifest`` (an artwork named only by an image manifest)
 
 ``links.parquet`` (one row per directed edge, no duplicates of (src, dst, relation)):
     src, dst     int64    entity ids
@@ -61,7 +62,7 @@ from osvl.errors import DataError
 KINDS = ("article", "list", "index", "disambiguation")
 """Entity kinds. Only ``article`` entities are answers or intermediate walk hops."""
 
-ORIGINS = ("wikispeedia", "wikidata", "mediawiki")
+ORIGINS = ("wikispeedia", "wikidata", "mediawiki", "manifest")
 
 DEFAULT_RELATION = "linked_to"
 

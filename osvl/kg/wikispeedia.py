@@ -93,6 +93,7 @@ def split_article(raw: str) -> tuple[list[str], str]:
 
 
 def trim(text: str, limit: int = MAX_TEXT_CHARS) -> str:
+    """At most ``limit`` characters, cut after the last full sentence when there is one."""
     if len(text) <= limit:
         return text
     cut = text[:limit]
@@ -228,7 +229,8 @@ def _kind(title: str, description: str, text: str) -> str:
 
 _ALIAS_PATTERNS = [
     re.compile(r"\b(?:also|sometimes|commonly|formerly|popularly|better|locally) (?:inaccurately )?"
-               r"(?:known|called|spelled|named|referred to)(?: as)? (?:the |a )?[\"“]?([A-Z][^,;.()\"”]{1,50})"),
+               r"(?:known|called|spelled|named|referred to)(?: as)? (?:the |a )?[\"“]?(\w[^,;.()\"”]{1,50})"),
+    re.compile(r"\bor simply (?:the |a )?(\w[\w -]{1,40})"),
     re.compile(r"\b(?:or|officially) (?:the )?[\"“]?([A-Z][^,;.()\"”]{1,50})"),
 ]
 
@@ -239,7 +241,7 @@ def lead_aliases(title: str, text: str) -> list[str]:
     out: list[str] = []
     for pat in _ALIAS_PATTERNS:
         for m in pat.finditer(first):
-            if pat is _ALIAS_PATTERNS[1] and m.start() > len(title) + 30:
+            if pat is _ALIAS_PATTERNS[2] and m.start() > len(title) + 30:
                 continue  # "or" far from the subject is not naming it
             name = re.split(r"\s+(?:is|was|are|were|and|in|from|which|that|or)\b", m.group(1))[0].strip(" '\"")
             if 2 <= len(name) <= 50 and fold(name) != fold(title) and name not in out:
@@ -268,18 +270,21 @@ def read_articles(folder: Path) -> dict[str, str]:
 _fold = lru_cache(maxsize=1 << 18)(fold)  # extracts repeat the same n-grams; folding dominates the scan
 
 
-def mention_links(text: str, index: dict[str, int], self_id: int, max_words: int = 5) -> list[int]:
+def mention_links(
+    text: str, index: dict[str, int], self_id: int, max_words: int = 5, any_case: bool = False
+) -> list[int]:
     """Ids whose title is mentioned in ``text`` (longest match first, capitalised start).
 
     Requiring a capital letter keeps common-noun titles ("Water", "Gold") from linking every
-    extract that uses the word in passing, while proper names still match.
+    extract that uses the word in passing, while proper names still match; ``any_case``
+    drops that rule (grounding wants every subject a caption might be about, "music" too).
     """
     words = re.findall(r"[\w'’-]+", text)
     out: list[int] = []
     i = 0
     while i < len(words):
         hit = 0
-        if words[i][:1].isupper():
+        if any_case or words[i][:1].isupper():
             for n in range(min(max_words, len(words) - i), 0, -1):
                 eid = index.get(_fold(" ".join(words[i : i + n])))
                 if eid is not None and eid != self_id:
@@ -307,7 +312,9 @@ def attribute_relations(
     return out
 
 
-def load(wikispeedia: str | Path, summaries: str | Path | None = None) -> tuple[list[dict], list[tuple]]:
+def load(
+    wikispeedia: str | Path, summaries: str | Path | None = None, text_chars: int = MAX_TEXT_CHARS
+) -> tuple[list[dict], list[tuple]]:
     """Entity rows and (src, dst, relation) links from Wikispeedia joined with the summaries.
 
     Wikispeedia articles get ids 0..N-1 in ``articles.tsv`` order; summary-only entities
@@ -333,7 +340,7 @@ def load(wikispeedia: str | Path, summaries: str | Path | None = None) -> tuple[
     for t in titles:
         box, prose = split[t]
         s = summ.get(t, {})
-        text = trim(prose)
+        text = trim(prose, text_chars)
         entities[ids[t]] = {
             "id": ids[t],
             "title": t,
@@ -362,7 +369,7 @@ def load(wikispeedia: str | Path, summaries: str | Path | None = None) -> tuple[
             "title": t,
             "aliases": lead_aliases(t, s.get("extract", "")),
             "description": s.get("description", ""),
-            "text": trim(s.get("extract", "")),
+            "text": trim(s.get("extract", ""), text_chars),
             "attributes": [],
             "images": [],
             "categories": [f"topic.{s['topic']}"] if s.get("topic") else [],
@@ -372,5 +379,5 @@ def load(wikispeedia: str | Path, summaries: str | Path | None = None) -> tuple[
     index = {fold(e["title"]): i for i, e in entities.items()}
     for t in extra:
         eid = index[fold(t)]
-        pairs += [(eid, d) for d in mention_links(entities[eid]["text"], index, eid)]
+        pairs += [(eid, d) for d in mention_links(summ[t].get("extract", ""), index, eid)]
     return list(entities.values()), attribute_relations(entities, pairs)
