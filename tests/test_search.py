@@ -1,0 +1,170 @@
+"""Offline search tools: reverse image search (ORB + RANSAC) and text search (BM25 + dense re-rank).
+
+The acceptance figures are computed on the real shared photos and texts with seeded
+degradations and seeded entity picks, and printed so the report can quote them.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from osvl.tools.base import REGISTRY, ToolContext, call_tool
+from osvl.tools.image_search import ImageIndex, ImageSearchConfig, build_image_index
+from osvl.tools.image_search import image_search as image_search_fn
+
+SKIMAGE_PHOTOS = ("astronaut", "rocket", "coffee", "chelsea", "camera", "page", "text")
+
+
+def _load_rgb(path: Path) -> np.ndarray:
+    from PIL import Image
+
+    with Image.open(path) as im:
+        return np.asarray(im.convert("RGB"))
+
+
+def photo_items(shared: Path) -> list[tuple[np.ndarray, str, str, str]]:
+    """Every gcompris photo of both manifests and the skimage photos, as (image, name, snippet, file)."""
+    import skimage.data
+
+    root = shared / "images" / "gcompris"
+    items = []
+    for e in json.loads((root / "manifest.json").read_text()):
+        items.append((_load_rgb(root / e["image"]), e["name"], e["caption"][:120], e["image"]))
+    for e in json.loads((root / "categorization" / "manifest.json").read_text()):
+        items.append((_load_rgb(root / e["image"]), e["name_from_filename"], e["collection"], e["image"]))
+    for name in SKIMAGE_PHOTOS:
+        arr = getattr(skimage.data, name)()
+        if arr.ndim == 2:
+            arr = np.stack([arr] * 3, axis=-1)
+        items.append((np.ascontiguousarray(arr[..., :3]), name.title(), "scikit-image sample photo", name))
+    return items
+
+
+def degrade(img: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """Crop keeping 50-90 % of the area, Gaussian blur sigma <= 2, scale 0.3-1.0, JPEG quality 40-90."""
+    import cv2
+    from PIL import Image
+
+    h, w = img.shape[:2]
+    area = rng.uniform(0.5, 0.9)
+    aspect = rng.uniform(0.75, 1.33)
+    cw = min(w, max(1, round(w * np.sqrt(area * aspect))))
+    ch = min(h, max(1, round(area * h * w / cw)))
+    x, y = int(rng.integers(0, w - cw + 1)), int(rng.integers(0, h - ch + 1))
+    out = img[y:y + ch, x:x + cw]
+    sigma = rng.uniform(0.0, 2.0)
+    if sigma > 0.05:
+        out = cv2.GaussianBlur(out, (0, 0), sigma)
+    s = rng.uniform(0.3, 1.0)
+    out = cv2.resize(out, (max(1, round(out.shape[1] * s)), max(1, round(out.shape[0] * s))),
+                     interpolation=cv2.INTER_AREA)
+    buf = io.BytesIO()
+    Image.fromarray(np.ascontiguousarray(out)).save(buf, "JPEG", quality=int(rng.integers(40, 91)))
+    return np.asarray(Image.open(buf).convert("RGB"))
+
+
+@pytest.fixture(scope="module")
+def photos(shared_data):
+    return photo_items(shared_data)
+
+
+@pytest.fixture(scope="module")
+def photo_index(photos):
+    return ImageIndex.build(photos, ImageSearchConfig())
+
+
+def test_degrade_keeps_the_promised_ranges():
+    img = np.random.default_rng(0).integers(0, 256, (400, 600, 3), dtype=np.uint8)
+    rng = np.random.default_rng(1)
+    for _ in range(20):
+        out = degrade(img, rng)
+        assert out.dtype == np.uint8 and out.ndim == 3
+        # area of the crop times scale^2: at most 0.9 of the original and at least 0.5 * 0.3^2
+        frac = out.shape[0] * out.shape[1] / (400 * 600)
+        assert 0.5 * 0.09 * 0.9 <= frac <= 0.91
+
+
+def test_image_search_tool_names_the_entity(photos, photo_index):
+    i = next(k for k, it in enumerate(photos) if it[1] == "Colosseum")
+    query = degrade(photos[i][0], np.random.default_rng(3))
+    ctx = ToolContext(images={"img_1": query}, options={"image_search": photo_index})
+    tool = REGISTRY["image_search"]
+    res = call_tool(tool, {"image": "img_1", "top_k": 3}, ctx)
+    assert res.ok, res.text
+    first = res.text.splitlines()[1]
+    assert first.startswith("1. Colosseum — "), res.text
+    assert res.data["hits"][0]["title"] == "Colosseum"
+    assert len(res.data["hits"]) <= 3
+    assert res.images == {}
+
+
+def test_image_search_no_match_and_bad_arguments(photo_index):
+    rng = np.random.default_rng(0)
+    noise = rng.integers(0, 256, (300, 300, 3), dtype=np.uint8)
+    ctx = ToolContext(images={"img_1": noise}, options={"image_search": photo_index})
+    tool = REGISTRY["image_search"]
+    res = call_tool(tool, {"image": "img_1"}, ctx)
+    assert res.ok and res.data["hits"] == [] and "no match" in res.text
+    for bad in ({"image": "img_9"}, {"image": "img_1", "top_k": 0}, {"image": "img_1", "top_k": "3"},
+                {"image": "img_1", "query": "x"}, {}):
+        res = call_tool(tool, bad, ctx)
+        assert not res.ok and res.error.kind == "invalid_call", bad
+
+
+def test_numbered_variants_count_once(photos):
+    fish = [it for it in photos if it[1] == "Fish"][:3]
+    index = ImageIndex.build(fish + [photos[0]], ImageSearchConfig())
+    hits = index.search(fish[1][0], top_k=5)
+    assert [h.title for h in hits].count("Fish") == 1
+    assert hits[0].title == "Fish" and hits[0].image == fish[1][3]
+
+
+@pytest.mark.slow
+def test_image_search_acceptance_300_degraded_queries(photos, photo_index):
+    """>= 90 % top-1 over 300 seeded degraded queries of all gcompris + skimage photos."""
+    rng = np.random.default_rng(2026)
+    ok, lat = 0, []
+    failures = []
+    for _ in range(300):
+        i = int(rng.integers(len(photos)))
+        query = degrade(photos[i][0], rng)
+        t = time.perf_counter()
+        hits = photo_index.search(query, top_k=5)
+        lat.append(time.perf_counter() - t)
+        if hits and hits[0].title.casefold() == photos[i][1].casefold():
+            ok += 1
+        else:
+            failures.append((photos[i][1], hits[0].title if hits else None, query.shape))
+    acc = ok / 300
+    print(json.dumps({"image_search_top1": acc, "n": 300, "index_images": len(photos),
+                      "p50_s": float(np.median(lat)), "p90_s": float(np.percentile(lat, 90)),
+                      "failures": failures[:10]}))
+    assert acc >= 0.90
+
+
+def test_default_index_is_built_from_the_kg_anchors(tmp_path, monkeypatch):
+    from osvl.kg.schema import SAMPLE_DIR
+
+    if not (SAMPLE_DIR / "anchors.parquet").is_file():
+        pytest.skip("KG sample not built yet")
+    import pyarrow.parquet as pq
+
+    monkeypatch.setenv("OSVL_CACHE", str(tmp_path))
+    index = build_image_index(SAMPLE_DIR)
+    anchors = pq.read_table(SAMPLE_DIR / "anchors.parquet").to_pylist()
+    assert len(index.entries) == len(anchors)
+    assert list((tmp_path / "image_index").glob("*.npz")), "index not cached on disk"
+    again = build_image_index(SAMPLE_DIR)
+    assert again.backend_id == index.backend_id and len(again.descriptors) == len(index.descriptors)
+    a = anchors[0]
+    query = degrade(_load_rgb(SAMPLE_DIR / "images" / a["image"]), np.random.default_rng(0))
+    ctx = ToolContext(images={"img_1": query}, options={"image_search": index})
+    res = image_search_fn(ctx, image="img_1")
+    titles = {e["title"] for e in index.entries if e["image"] == a["image"]}
+    assert res.data["hits"] and res.data["hits"][0]["title"] in titles, res.text
