@@ -222,7 +222,11 @@ def synthesize_shard(graph: Graph, cfg: SynthConfig, shard: int, seeds: list[int
     rows: list[dict[str, Any]] = []
     seen: set[str] = set()
     for seed in seeds:
-        anchors = [a for a in graph.anchors[seed] if a.score >= cfg.min_grounding_score]
+        anchors = [a for a in graph.anchors[seed] if a.score >= cfg.min_grounding_score
+                   and graph.root is not None and (graph.root / "images" / a.image).is_file()]
+        if not anchors:
+            counts["images"]["seed_without_image_file"] += 1  # checked once here, not after every walk
+            continue
         made = 0
         for _ in range(cfg.attempts_per_seed):
             if made >= cfg.questions_per_seed:
@@ -393,7 +397,8 @@ def _histogram(values: list[Any]) -> dict[str, int]:
     return {str(k): v for k, v in sorted(Counter(values).items(), key=lambda kv: (-kv[1], str(kv[0])))}
 
 
-def data_card(cfg: SynthConfig, table: pa.Table, counts: dict[str, Counter[str]], seconds: float) -> dict[str, Any]:
+def data_card(cfg: SynthConfig, table: pa.Table, counts: dict[str, Counter[str]], seconds: float,
+              seeds_planned: int) -> dict[str, Any]:
     n = max(1, table.num_rows)
     paths = table.column("path").to_pylist()
     answers = [fold(a) for a in table.column("answer").to_pylist()]
@@ -413,6 +418,7 @@ def data_card(cfg: SynthConfig, table: pa.Table, counts: dict[str, Counter[str]]
         "seconds": round(seconds, 1),
         "config_hash": config_hash(cfg),
         "seed_entities": len(set(seeds)),
+        "seeds_planned": seeds_planned,  # grounded entities; the rest had no walkable neighbourhood
         "final_entities": len({p[-1]["entity_id"] for p in paths}),
         "path_entities": len({e["entity_id"] for p in paths for e in p}),
         "max_seed_share": round(top_seed[0][1] / n, 4) if top_seed else 0.0,
@@ -437,7 +443,8 @@ def data_card(cfg: SynthConfig, table: pa.Table, counts: dict[str, Counter[str]]
 
 def card_markdown(card: dict[str, Any]) -> str:
     lines = [f"# Data card: synthesized questions ({card['questions']} questions, config {card['config_hash']})", "",
-             f"Splits: {card['splits']}. Seeds: {card['seed_entities']}, final entities: {card['final_entities']}, "
+             f"Splits: {card['splits']}. Seeds: {card['seed_entities']} of {card['seeds_planned']} grounded, "
+             f"final entities: {card['final_entities']}, "
              f"path entities: {card['path_entities']}. Largest seed share {card['max_seed_share']:.1%}, "
              f"largest answer share {card['max_answer_share']:.1%}. Built in {card['seconds']} s.", "",
              "## Hops", "", "| hops | questions | share | configured |", "|---|---|---|---|"]
@@ -454,7 +461,7 @@ def card_markdown(card: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def finalize(cfg: SynthConfig, out: Path, num_shards: int, seconds: float) -> dict[str, Any]:
+def finalize(cfg: SynthConfig, out: Path, num_shards: int, seconds: float, seeds_planned: int) -> dict[str, Any]:
     """Read every committed shard, run the filter slot and the caps, write the splits and the data card."""
     shard_dir = out / "shards"
     tables, counts = [], {}
@@ -474,7 +481,7 @@ def finalize(cfg: SynthConfig, out: Path, num_shards: int, seconds: float) -> di
         tmp = out / f"{split}.parquet.tmp"
         pq.write_table(part, tmp)
         os.replace(tmp, out / f"{split}.parquet")
-    card = data_card(cfg, table, counts, seconds)
+    card = data_card(cfg, table, counts, seconds, seeds_planned)
     (out / "data_card.json").write_text(json.dumps(card, indent=1, sort_keys=False))
     (out / "data_card.md").write_text(card_markdown(card))
     return card
@@ -524,6 +531,6 @@ def run(cfg: SynthConfig, *, log: Any = print) -> tuple[Path, dict[str, Any]]:
             finished += 1
             log(f"  shard {int(row['shard']):5d} done: {int(row['questions'])} questions in "
                 f"{float(row['seconds']):.1f} s ({finished}/{cfg.num_shards})")
-    card = finalize(cfg, out, cfg.num_shards, time.perf_counter() - t0)
+    card = finalize(cfg, out, cfg.num_shards, time.perf_counter() - t0, n_seeds)
     log(f"synthesize: {card['questions']} questions {card['splits']} in {card['seconds']} s -> {out}")
     return out, card
