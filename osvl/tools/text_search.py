@@ -43,7 +43,7 @@ from typing import Any, Literal
 import numpy as np
 
 from osvl.config import opt
-from osvl.errors import ConfigError, DataError
+from osvl.errors import ConfigError, DataError, ToolCallError
 from osvl.tools.base import InvalidCall, Tool, ToolContext, ToolResult, number, register
 from osvl.tools.cache import atomic_write, file_digest, store_root
 from osvl.tools.web import WebConfig
@@ -330,7 +330,10 @@ def text_search(ctx: ToolContext, query: Any = None, top_k: Any = 5) -> ToolResu
     k = number({"top_k": top_k}, "top_k", lo=1, hi=20, integer=True)
     query = " ".join(query.split())
     backend = ctx.options.get("text_search") or default_backend()
-    hits = backend.search(query, k)
+    try:
+        hits = backend.search(query, k)
+    except ToolCallError as e:  # the web backend types its failures (timeout, unavailable, ...)
+        return ToolResult.fail(e.kind, f"text_search: {e.message}")
     return ToolResult("ok", format_hits(query, hits), data={"hits": [dataclasses.asdict(h) for h in hits]})
 
 

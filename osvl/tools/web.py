@@ -318,7 +318,7 @@ class WebSearch:
         if not text:
             return "(page has no text)"
         if not self.cfg.llm_url:
-            return text[:300]
+            return " ".join(text.split())[:300]
         return await self._summarise(api, query, title or result.get("title", ""), text)
 
     async def _summarise(self, api: Any, query: str, title: str, text: str) -> str:
