@@ -79,7 +79,8 @@ def test_health_tool_list_and_openapi(api):
     status, listing = raw(f"{api}/v1/tools")
     names = [t["function"]["name"] for t in listing["tools"]]
     assert status == 200 and set(names) == set(health["tools"])
-    assert {"crop", "sharpen", "super_resolution"} <= set(names)
+    assert set(names) == {"crop", "sharpen", "super_resolution", "perspective_correct", "ocr", "text_search",
+                          "image_search"}
     for schema in listing["tools"]:
         assert schema["type"] == "function" and schema["function"]["parameters"]["type"] == "object"
     status, spec = raw(f"{api}/openapi.json")
@@ -153,6 +154,22 @@ def test_ocr_reads_a_rendered_sentence_and_a_real_page(api, shared_data):
     page = read_rgb(shared_data / "images" / "opencv" / "imageTextN.png")
     r = call(api, "ocr", {"image": "img_1"}, {"img_1": page})
     assert r.ok and word_recall(r.data["text"], IMAGE_TEXT_N) >= 0.8, r.data["text"]
+
+
+def test_text_search_answers(api):
+    r = call(api, "text_search", {"query": "lattice tower on the Champ de Mars in Paris", "top_k": 3})
+    assert r.ok and r.text.startswith('Search results for "lattice tower'), r.text
+    assert "Eiffel Tower" in r.text.splitlines()[1]
+
+
+def test_image_search_answers_with_a_crop_of_a_known_photo(api, shared_data):
+    manifest = json.loads((shared_data / "images" / "gcompris" / "manifest.json").read_text())
+    colosseum = next(m for m in manifest if m["name"] == "Colosseum")
+    img = read_rgb(shared_data / "images" / "gcompris" / colosseum["image"])
+    h, w = img.shape[:2]
+    r = call(api, "image_search", {"image": "img_1", "top_k": 3}, {"img_1": img[h // 10:h - h // 10, w // 10:]})
+    assert r.ok and r.data["hits"], r.text
+    assert "Colosseum" in r.text.splitlines()[1], r.text
 
 
 def test_handle_transport_gives_the_same_result_without_http(api, shared_data):
