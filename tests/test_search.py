@@ -14,9 +14,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from osvl.errors import ConfigError
 from osvl.tools.base import REGISTRY, ToolContext, call_tool
 from osvl.tools.image_search import ImageIndex, ImageSearchConfig, build_image_index
 from osvl.tools.image_search import image_search as image_search_fn
+from osvl.tools.text_search import TextIndex, TextSearchConfig, build_text_index
 
 SKIMAGE_PHOTOS = ("astronaut", "rocket", "coffee", "chelsea", "camera", "page", "text")
 
@@ -168,3 +170,132 @@ def test_default_index_is_built_from_the_kg_anchors(tmp_path, monkeypatch):
     res = image_search_fn(ctx, image="img_1")
     titles = {e["title"] for e in index.entries if e["image"] == a["image"]}
     assert res.data["hits"] and res.data["hits"][0]["title"] in titles, res.text
+
+
+# ---------------------------------------------------------------------------
+# text search
+
+
+@pytest.fixture(scope="module")
+def kg_entities():
+    from osvl.kg.schema import SAMPLE_DIR
+
+    if not (SAMPLE_DIR / "entities.parquet").is_file():
+        pytest.skip("KG sample not built yet")
+    import pyarrow.parquet as pq
+
+    return pq.read_table(SAMPLE_DIR / "entities.parquet",
+                         columns=["title", "aliases", "description", "text", "attributes"]).to_pylist()
+
+
+@pytest.fixture(scope="module")
+def small_index(kg_entities):
+    """BM25 over 300 real KG entities (the Wikispeedia ones with text), description excluded."""
+    ents = [e for e in kg_entities if e["text"] and e["description"]][:300]
+    return ents, TextIndex.build(ents, TextSearchConfig(exclude_fields=["description"], dense_rerank=False))
+
+
+def test_text_search_finds_an_entity_by_its_own_words(small_index):
+    ents, index = small_index
+    e = ents[123]
+    words = " ".join(e["text"].split()[5:17])  # a phrase from inside the article
+    hits = index.search(words, 5)
+    assert hits and hits[0].title == e["title"], (words, [h.title for h in hits])
+    assert len({h.title for h in hits}) == len(hits) <= 5  # one hit per entity
+
+
+def test_excluded_fields_are_not_searchable(small_index):
+    ents, index = small_index
+    assert all(e["description"] not in p for e in ents[:50] for p in index.passages if len(e["description"]) > 25)
+    full = TextIndex.build(ents, TextSearchConfig(dense_rerank=False))
+    e = next(x for x in ents if len(x["description"].split()) >= 3)
+    lead = full.passages[int(np.flatnonzero(full.owner == ents.index(e))[0])]
+    assert e["description"] in lead and e["description"] not in index.passages[
+        int(np.flatnonzero(index.owner == ents.index(e))[0])]
+    with pytest.raises(ConfigError, match="unknown field"):
+        TextIndex.build(ents, TextSearchConfig(exclude_fields=["descriptoin"]))
+
+
+def test_text_search_tool_contract(small_index):
+    ents, index = small_index
+    ctx = ToolContext(images={}, options={"text_search": index})
+    tool = REGISTRY["text_search"]
+    title = ents[7]["title"]
+    res = call_tool(tool, {"query": f"  {title}\n", "top_k": 3}, ctx)
+    assert res.ok and res.text.splitlines()[0] == f'Search results for "{title}":'
+    assert res.text.splitlines()[1] == f"1. {res.data['hits'][0]['title']}"
+    assert 1 <= len(res.data["hits"]) <= 3
+    assert call_tool(tool, {"query": "the of and"}, ctx).text == 'No results for "the of and".'
+    for bad in ({"query": ""}, {"query": "   "}, {"query": 3}, {"query": "x" * 501}, {"query": "x", "top_k": 21},
+                {"query": "x", "top_k": 1.5}, {"top_k": 3}, {"query": "x", "image": "img_1"}):
+        res = call_tool(tool, bad, ctx)
+        assert not res.ok and res.error.kind == "invalid_call", bad
+
+
+def test_index_is_cached_on_disk_by_content(tmp_path, monkeypatch, kg_entities):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    monkeypatch.setenv("OSVL_CACHE", str(tmp_path / "cache"))
+    kg = tmp_path / "kg"
+    kg.mkdir()
+    rows = [e for e in kg_entities if e["text"]][:200]
+    pq.write_table(pa.Table.from_pylist(rows), kg / "entities.parquet")
+    cfg = TextSearchConfig(dense_rerank=False)
+    a = build_text_index(kg, cfg=cfg)
+    folders = list((tmp_path / "cache" / "text_index").iterdir())
+    assert len(folders) == 1 and (folders[0] / "meta.json").is_file()
+    b = build_text_index(kg, cfg=cfg)  # loaded from disk
+    q = " ".join(rows[42]["text"].split()[3:12])
+    assert a.backend_id == b.backend_id and [h.title for h in a.search(q)] == [h.title for h in b.search(q)]
+    c = build_text_index(kg, exclude_fields=["description"], cfg=cfg)  # other passages: other index
+    pq.write_table(pa.Table.from_pylist(rows[:150]), kg / "entities.parquet")  # other content: other index
+    d = build_text_index(kg, cfg=cfg)
+    assert len({a.backend_id, c.backend_id, d.backend_id}) == 3
+    assert len(list((tmp_path / "cache" / "text_index").iterdir())) == 3
+
+
+@pytest.mark.slow
+def test_dense_rerank_is_at_least_as_good_as_bm25(small_index):
+    """MiniLM re-rank of the 10 best entities, on 40 descriptions of the 300-entity index."""
+    ents, bm25 = small_index
+    dense = TextIndex.build(ents, TextSearchConfig(exclude_fields=["description"], rerank_depth=10))
+    queries = [e for e in ents if len(e["description"].split()) >= 2][:40]
+    top = {"bm25": 0, "dense": 0}
+    for e in queries:
+        top["bm25"] += e["title"] in [h.title for h in bm25.search(e["description"], 5)]
+        top["dense"] += e["title"] in [h.title for h in dense.search(e["description"], 5)]
+    print(json.dumps(top))
+    assert top["dense"] >= top["bm25"] and top["dense"] >= 0.6 * len(queries)
+    assert 0 < len(dense._emb) <= 10 * len(queries)  # only re-ranked entities were embedded, each once
+
+
+@pytest.mark.slow
+def test_text_search_acceptance_unique_descriptions(tmp_path_factory):
+    """Gold article in the top 5 for >= 80 % of 200 seeded entities queried by their unique description."""
+    import collections
+    import os
+    import random
+
+    import pyarrow.parquet as pq
+
+    from osvl.kg.schema import SAMPLE_DIR
+
+    if not (SAMPLE_DIR / "entities.parquet").is_file():
+        pytest.skip("KG sample not built yet")
+    os.environ.setdefault("OSVL_CACHE", str(tmp_path_factory.mktemp("cache")))
+    index = build_text_index(SAMPLE_DIR, exclude_fields=["description"])
+    ents = pq.read_table(SAMPLE_DIR / "entities.parquet", columns=["title", "description"]).to_pylist()
+    count = collections.Counter(e["description"] for e in ents)
+    pool = [e for e in ents if e["description"] and count[e["description"]] == 1]
+    picked = random.Random(0).sample(pool, 200)
+    ok, lat = 0, []
+    for e in picked:
+        t = time.perf_counter()
+        hits = index.search(e["description"], 5)
+        lat.append(time.perf_counter() - t)
+        ok += e["title"] in [h.title for h in hits]
+    acc = ok / 200
+    print(json.dumps({"text_search_top5": acc, "n": 200, "pool": len(pool), "entities": len(ents),
+                      "p50_s": float(np.median(lat)), "p90_s": float(np.percentile(lat, 90))}))
+    assert acc >= 0.80
