@@ -265,6 +265,23 @@ def test_auth_token_is_required_when_configured(ray_cluster, api, shared_data, m
         serve.delete("osvl_tools_auth")
 
 
+def test_a_call_past_the_deadline_is_a_504_timeout(ray_cluster, api):
+    from ray import serve
+
+    from serve.app import build_app
+
+    serve.run(build_app({"tools": ["sharpen"], "timeout_s": 0.05}), name="osvl_tools_deadline",
+              route_prefix="/deadline")
+    try:
+        img = np.random.default_rng(0).integers(0, 256, (1024, 1024, 3), dtype=np.uint8)
+        status, answer = raw(f"{api}/deadline/v1/tools/sharpen", body({"image": "img_1", "sigma": 50}, {"img_1": img}))
+        assert status == 504 and answer["error"]["kind"] == "timeout", answer
+        r = call(f"{api}/deadline", "sharpen", {"image": "img_1", "sigma": 50}, {"img_1": img}, retries=2)
+        assert r.error.kind == "timeout"
+    finally:
+        serve.delete("osvl_tools_deadline")
+
+
 def test_metrics_are_exported_by_ray(api, shared_data):
     """The replicas' osvl_* series reach Ray's Prometheus endpoint on this node."""
     import time
