@@ -157,3 +157,20 @@ def test_image_digest_sees_shape_and_pixels():
     b = a.copy()
     b[0, 0, 0] ^= 1
     assert image_digest(a) != image_digest(b)
+
+
+def test_key_without_backend_option_follows_the_default_config(tmp_path):
+    from osvl.tools import text_search as ts
+
+    tool = REGISTRY["text_search"]
+    cache = ToolCache(tmp_path, "replay")
+    ctx = ToolContext(images={})
+    saved = ts._DEFAULT_CFG
+    try:
+        offline = cache.key(tool, {"query": "x"}, ctx)[0]
+        ts.configure(ts.TextSearchConfig(backend="web"))
+        web = cache.key(tool, {"query": "x"}, ctx)[0]
+        ts.configure(saved)
+        assert offline != web and cache.key(tool, {"query": "x"}, ctx)[0] == offline
+    finally:
+        ts.configure(saved)

@@ -15,7 +15,8 @@ four modes:
 
 The key is a SHA-256 of the tool name, its version and backend, the backend object's
 ``backend_id`` (an index content hash, a search API name) when ``ctx.options`` carries
-one under the tool's name, and the canonical JSON of the arguments in which every image
+one under the tool's name (else the tool module's ``default_backend_id()``, a hash of the
+config its default backend is built from), and the canonical JSON of the arguments in which every image
 reference is replaced by the SHA-256 of that image's pixels. Image *names* are not in the
 key: ``crop(img_1, ...)`` in one episode and ``crop(img_3, ...)`` on the same pixels in
 another are the same call. Names that do appear in the result text ("Cropped img_1 ... as
@@ -38,6 +39,7 @@ import io
 import json
 import os
 import re
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -104,10 +106,9 @@ class ToolCache:
         """The recording key, and the image names of this call mapped to their placeholders."""
         names: dict[str, str] = {}
         canon = _canonical(arguments, ctx, names)
-        backend = ctx.options.get(tool.name)
         blob = json.dumps({
             "tool": tool.name, "version": tool.version, "backend": tool.backend,
-            "backend_id": str(getattr(backend, "backend_id", "")), "arguments": canon,
+            "backend_id": _backend_id(tool, ctx), "arguments": canon,
         }, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
         return hashlib.sha256(blob.encode()).hexdigest(), names
 
@@ -131,6 +132,20 @@ class ToolCache:
         if result.ok or (result.error is not None and result.error.kind in _RECORDED_ERRORS):
             atomic_write(path, _dump(result, names, ctx))
         return result
+
+
+def _backend_id(tool: Any, ctx: ToolContext) -> str:
+    """Which backend answers: the one in ``ctx.options[tool.name]``, else the tool module's default.
+
+    A module with a lazily-built default backend exposes ``default_backend_id()`` (a hash of
+    its config), so that the key changes with the config without building the backend.
+    """
+    backend = ctx.options.get(tool.name)
+    if backend is not None:
+        return "options:" + str(getattr(backend, "backend_id", type(backend).__name__))
+    module = sys.modules.get(getattr(tool.fn, "__module__", ""))
+    default = getattr(module, "default_backend_id", None)
+    return "default:" + default() if callable(default) else ""
 
 
 def _canonical(value: Any, ctx: ToolContext, names: dict[str, str]) -> Any:

@@ -223,6 +223,15 @@ def configure(cfg: ImageSearchConfig) -> None:
         _DEFAULT, _DEFAULT_CFG = None, cfg
 
 
+def default_backend_id() -> str:
+    """Hash of the default backend's config: the record/replay cache key part for calls without a backend."""
+    import hashlib
+
+    with _LOCK:
+        blob = json.dumps(dataclasses.asdict(_DEFAULT_CFG), sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
 def default_backend() -> ImageIndex:
     global _DEFAULT
     with _LOCK:
