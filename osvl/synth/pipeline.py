@@ -138,7 +138,7 @@ def plan(graph: Graph, cfg: SynthConfig) -> tuple[list[list[int]], dict[int, str
     seeds = graph.seeds(cfg.min_grounding_score)
     fractions = dict(zip(SPLITS, cfg.split_fractions, strict=True))
     entity_fractions = dict(zip(SPLITS, cfg.entity_split_fractions, strict=True))
-    split_of = assign_splits(graph, seeds, fractions, entity_fractions, cfg.run.seed)
+    split_of = assign_splits(graph, seeds, fractions, entity_fractions, cfg.run.seed, cfg.walk.hub_in_degree)
     shards = [seeds[k::cfg.num_shards] for k in range(cfg.num_shards)]
     return shards, split_of
 

@@ -195,31 +195,57 @@ def _unit(*parts: Any) -> float:
 
 
 def assign_splits(graph: Graph, seeds: list[int], fractions: dict[str, float],
-                  entity_fractions: dict[str, float], run_seed: int) -> dict[int, str]:
+                  entity_fractions: dict[str, float], run_seed: int, hub_in_degree: int = 300,
+                  poor: int = 3) -> dict[int, str]:
     """Give every entity one split: seeds in the exact proportions, the rest by a hash of their id.
 
-    Seeds are few (tens), so they are dealt out (below) to hit the question shares;
-    each seed's out-neighbours then join its split, and all other entities are hashed
-    with ``entity_fractions`` (which may favour the
-    small splits, whose walks otherwise starve in a thin subgraph).
+    Seeds are few (tens), so they are dealt out to hit the question shares; then each
+    seed claims its walkable out-neighbours for its split, and every other entity is
+    hashed with ``entity_fractions`` (which may favour the small splits, whose walks
+    otherwise run in a thin subgraph). "Connected groups of questions" would be exact
+    but on a link graph nearly every seed joins one giant group; only *poor* seeds
+    (at most ``poor`` walkable neighbours, e.g. six paintings that all link only to
+    their painter) are grouped, since splitting them would leave all but one with no
+    first hop at all.
     """
-    # seeds with many out-links make many questions and seeds with few make few or none, so seeds are
-    # dealt in order of link count, each to the split furthest below its share so far: every split
+    def walkable(e: int) -> list[int]:
+        return [d for d in graph.neighbours(e)
+                if graph.entities[d].in_degree <= hub_in_degree and not graph.entities[d].list_page]
+
+    parent = {e: e for e in seeds}
+
+    def root(e: int) -> int:
+        while parent[e] != e:
+            parent[e] = parent[parent[e]]
+            e = parent[e]
+        return e
+
+    first_poor: dict[int, int] = {}
+    for e in seeds:
+        if len(walkable(e)) <= poor:
+            for d in walkable(e):
+                if d in first_poor:
+                    parent[root(e)] = root(first_poor[d])
+                else:
+                    first_poor[d] = e
+    groups: dict[int, list[int]] = {}
+    for e in seeds:
+        groups.setdefault(root(e), []).append(e)
+    # rich groups first, each to the split furthest below its share after taking it: every split
     # gets its share of rich and of poor seeds, and the totals match the fractions
-    order = sorted(seeds, key=lambda e: (-len(graph.neighbours(e)), _unit(run_seed, "seed", e)))
+    order = sorted(groups.values(), key=lambda g: (-sum(len(walkable(e)) for e in g), _unit(run_seed, "seed", g[0])))
     split_of: dict[int, str] = {}
     dealt: Counter[str] = Counter()
-    for i, e in enumerate(order):
-        name = max(SPLITS, key=lambda s: (fractions[s] * (i + 1) - dealt[s], fractions[s]))
-        split_of[e] = name
-        dealt[name] += 1
-    # a seed claims its own out-neighbours first (small splits first: they need the room), so a seed
-    # with few links is not cut off from all of them by the hash below
-    for name in reversed(SPLITS):
-        for e in order:
-            if split_of[e] == name:
-                for dst in graph.neighbours(e):
-                    split_of.setdefault(dst, name)
+    for group in order:
+        total = sum(dealt.values()) + len(group)
+        name = max(SPLITS, key=lambda s: (fractions[s] * total - dealt[s], fractions[s]))
+        for e in group:
+            split_of[e] = name
+        dealt[name] += len(group)
+    # the poorest seeds claim their neighbours first: a rich seed loses little to another split
+    for e in sorted(seeds, key=lambda e: (len(walkable(e)), _unit(run_seed, "seed", e))):
+        for dst in graph.neighbours(e):
+            split_of.setdefault(dst, split_of[e])
     for eid in graph.entities:
         if eid in split_of:
             continue
