@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import pytest
 
 import osvl.tools.text_search  # noqa: F401 - registers text_search
-from osvl.errors import ToolCallError
+from osvl.errors import ConfigError, ToolCallError
 from osvl.tools.base import REGISTRY, ToolContext, call_tool
 from osvl.tools.web import FetchRefused, Guard, WebConfig, WebSearch, fetch_url, html_text
 
@@ -195,6 +195,9 @@ def test_guard_passes_public_literals_and_names_to_the_resolver():
     for url in ("http://127.0.0.1:8124/", "http://10.2.0.1/", "http://[::1]:8123/"):
         with pytest.raises(FetchRefused):
             g.check_url(url)
+    assert Guard(["[::1]:8123", "fd00::/8"]).check_url("http://[::1]:8123/")[1] == 8123
+    with pytest.raises(ConfigError, match="not an IP"):
+        Guard(["localhost:8123"])
 
 
 def test_default_guard_refuses_a_live_loopback_server_and_localhost(internal):

@@ -37,7 +37,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from osvl.config import opt
-from osvl.errors import ToolCallError
+from osvl.errors import ConfigError, ToolCallError
 
 REDIRECTS = (301, 302, 303, 307, 308)
 
@@ -76,10 +76,14 @@ class Guard:
         for entry in allow:
             entry = entry.strip()
             host, sep, port = entry.rpartition(":")
-            if sep and port.isdigit() and host and not host.endswith(":"):
-                self.endpoints.add((ipaddress.ip_address(host.strip("[]")), int(port)))
-            else:
-                self.nets.append(ipaddress.ip_network(entry, strict=False))
+            try:
+                if sep and port.isdigit() and host and not host.endswith(":"):
+                    self.endpoints.add((ipaddress.ip_address(host.strip("[]")), int(port)))
+                else:
+                    self.nets.append(ipaddress.ip_network(entry, strict=False))
+            except ValueError:
+                raise ConfigError(f"web.allow entry {entry!r} is not an IP, IP:port or CIDR "
+                                  "(host names are not allowed: they can resolve anywhere)") from None
 
     def check_ip(self, address: str, port: int, host: str = "") -> None:
         ip = ipaddress.ip_address(address.split("%", 1)[0])
