@@ -224,6 +224,9 @@ def synthesize_shard(graph: Graph, cfg: SynthConfig, shard: int, seeds: list[int
     for seed in seeds:
         anchors = [a for a in graph.anchors[seed] if a.score >= cfg.min_grounding_score
                    and graph.root is not None and (graph.root / "images" / a.image).is_file()]
+        unlicensed = [a for a in anchors if not a.licence.strip()]
+        counts["images"]["anchor_without_licence"] += len(unlicensed)  # no redistributable image, no question
+        anchors = [a for a in anchors if a.licence.strip()]
         if not anchors:
             counts["images"]["seed_without_image_file"] += 1  # checked once here, not after every walk
             continue
