@@ -83,8 +83,8 @@ def read_licences(root: Path) -> dict[str, str]:
                         files.append(m.group(2).strip())
                     elif not in_files:
                         fields[m.group(1)] = (fields.get(m.group(1), "") + " " + m.group(2)).strip()
-                elif in_files and line.strip():
-                    files.append(line.strip())
+                elif (in_files and line.strip()) or re.match(r"^\S+\.(webp|png|jpe?g|svg|ogg)$", line.strip()):
+                    files.append(line.strip())  # some blocks list their files without a "Files:" header
             text = "; ".join(f"{k}: {fields[k]}" for k in ("License", "Copyright", "Source", "Comment") if k in fields)
             for f in files:
                 out[str(base / f)] = text

@@ -99,6 +99,9 @@ def build(cfg: BuildSampleConfig) -> dict:
         if eid is None:
             unmatched.append(src.name)
             continue
+        if not src.licence:  # never redistribute a file whose licence we cannot state
+            rejected.append({"name": src.name, "entity": by_id[eid]["title"], "score": None, "reason": "no_licence"})
+            continue
         target = by_id[eid]
         image = src.load(data / "images" / "gcompris")
         dis_ids = wikispeedia.mention_links(src.caption, by_title, eid, any_case=True)[: cfg.max_distractors]

@@ -15,8 +15,9 @@ Ray Data job can read or shard them without osvl.
     attributes   list<struct<key, value, source, eligible>>
                  key/value from infobox lines or templates; ``source`` is the line (or
                  template field) it came from; ``eligible`` says whether the value may be
-                 the answer of a synthesized question: at most 6 words and not shared by
-                 more than 1% of entities (``Kingdom: Animalia`` is not).
+                 the answer of a synthesized question: at most 6 words (alphanumeric tokens,
+                 as ``fold`` splits them) and not shared by more than 1% of entities
+                 (``Kingdom: Animalia`` is not); list/index/disambiguation pages have none.
     images       list<string>  image file names relative to the folder's ``images/``
                  (MediaWiki ``[[File:...]]`` names are kept as names even when the file
                  itself is not in the folder)
