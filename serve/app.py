@@ -86,6 +86,13 @@ class _ToolReplica:
             self.replica = "local"
         self._lock = threading.Lock()
 
+    async def call_many(self, calls: list[tuple[Any, Any, str]]) -> list[ToolResult]:
+        """Several calls in one Serve request (``HandleTransport`` groups concurrent calls); each runs
+        and is metered as if it came alone. Serve counts the group as one ongoing request."""
+        if not isinstance(calls, list) or not all(isinstance(c, tuple | list) and len(c) == 3 for c in calls):
+            return [ToolResult.fail("invalid_call", "call_many takes a list of (arguments, images, name)")]
+        return list(await asyncio.gather(*[self(*c) for c in calls]))
+
     def _in_flight(self, delta: int) -> None:
         from osvl import metrics
 

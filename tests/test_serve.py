@@ -181,9 +181,14 @@ def test_handle_transport_gives_the_same_result_without_http(api, shared_data):
                 await client.call("crop", {"image": "img_1", "x": 0, "y": 0, "width": 999, "height": 1},
                                   {"img_1": img}),
                 await client.call("no_such_tool", {}, {}),
-                await client.schemas())
+                await client.schemas(),
+                # concurrent calls travel as one Serve request: each must get its own answer back
+                await asyncio.gather(*[client.call("crop", {"image": "img_1", "x": i, "y": i, "width": 5 + i,
+                                                            "height": 5}, {"img_1": img}) for i in range(6)]))
 
-    ok, oob, unknown, schemas = asyncio.run(run())
+    ok, oob, unknown, schemas, crops = asyncio.run(run())
+    for i, r in enumerate(crops):
+        assert r.ok and np.array_equal(r.images["img_2"], img[i:i + 5, i:2 * i + 5])
     assert ok.ok and np.array_equal(ok.images["img_2"], call(api, "sharpen", {"image": "img_1"},
                                                              {"img_1": img}).images["img_2"])
     assert oob.error.kind == "invalid_call" and "out of bounds" in oob.text

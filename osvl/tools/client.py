@@ -189,17 +189,24 @@ def _ray_failure(name: str, e: BaseException) -> ToolResult:
 class HandleTransport:
     """Call each tool's Serve deployment through a ``DeploymentHandle`` (inside the cluster).
 
-    Images go into Ray's object store once per array and travel as ``ObjectRef``s: an episode
-    sends ``img_1`` with every call, and re-serialising it each time costs more than most tools.
-    The cache is keyed by array identity (a weak reference, so the object is freed with the
-    array); arrays are treated as immutable values, as everywhere in osvl: an array changed in
-    place after a call would be sent stale.
+    Two things make this path cheap enough to replace in-process calls in rollout actors:
+
+    - Images go into Ray's object store once per array and travel as ``ObjectRef``s: an episode
+      sends ``img_1`` with every call, and re-serialising it each time costs more than most
+      tools. The cache is keyed by array identity (a weak reference, so the object is freed
+      with the array); arrays are treated as immutable values, as everywhere in osvl: an array
+      changed in place after a call would be sent stale.
+    - Calls to one tool issued in the same event-loop tick (a rollout actor runs many episodes
+      concurrently) travel as one Serve request (``call_many``), so Serve's fixed per-request
+      cost is paid once per group; the replica still runs and meters each call on its own. A
+      lone call is sent on the next tick, so nothing waits for company.
     """
 
     def __init__(self, app_name: str = "osvl_tools") -> None:
         self.app_name = app_name
         self._handles: dict[str, Any] = {}
         self._refs: dict[int, tuple[Any, Any]] = {}  # id(array) -> (weakref to it, ObjectRef)
+        self._pending: dict[str, list[tuple[tuple[Any, Any, str], asyncio.Future]]] = {}
 
     def _handle(self, name: str) -> Any:
         if name not in self._handles:
@@ -226,20 +233,34 @@ class HandleTransport:
     async def call(self, name: str, arguments: Any, images: Mapping[str, np.ndarray], new_image_name: str,
                    timeout_s: float) -> ToolResult:
         try:
-            handle = self._handle(name)
+            self._handle(name)
             refs = {k: self._ref(v) for k, v in images.items()}
         except (KeyError, ValueError) as e:
             return ToolResult.fail("invalid_call", f"unknown tool {name!r} in app {self.app_name!r}: {e}")
         except Exception as e:  # noqa: BLE001 - controller unreachable, app not deployed
             return _ray_failure(name, e)
-        response = handle.remote(arguments, refs, new_image_name)
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        group = self._pending.setdefault(name, [])
+        group.append(((arguments, refs, new_image_name), future))
+        if len(group) == 1:
+            loop.call_soon(lambda: loop.create_task(self._send(name)))
         try:
-            return await asyncio.wait_for(response, timeout_s)
+            return await asyncio.wait_for(future, timeout_s)
         except TimeoutError:
-            response.cancel()
             return ToolResult.fail("timeout", f"{name} took longer than {timeout_s:g} s")
-        except Exception as e:  # noqa: BLE001 - typed below
-            return _ray_failure(name, e)
+
+    async def _send(self, name: str) -> None:
+        group = self._pending.pop(name, [])
+        if not group:
+            return
+        try:
+            results = await self._handle(name).call_many.remote([call for call, _ in group])
+        except Exception as e:  # noqa: BLE001 - the whole group failed the same way
+            results = [_ray_failure(name, e)] * len(group)
+        for (_, future), result in zip(group, results, strict=True):
+            if not future.done():  # a caller that timed out has cancelled its future
+                future.set_result(result)
 
     async def schemas(self) -> list[dict[str, Any]]:
         from ray import serve
