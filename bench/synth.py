@@ -24,8 +24,7 @@ from osvl.synth.pipeline import SynthConfig, run  # noqa: E402
 
 
 def main(argv: list[str]) -> None:
-    cfg = SynthConfig()
-    cfg = apply_override(cfg, "questions_per_seed", "40")
+    cfg = SynthConfig()  # the demo defaults: the committed sample, 16 shards
     for arg in argv:
         key, _, value = arg.removeprefix("--").partition("=")
         cfg = apply_override(cfg, key, value)

