@@ -218,6 +218,10 @@ def main(argv: list[str] | None = None) -> dict:
     from osvl.tools.super_resolution import evaluate, load_model, read_rgb
 
     init_ray(num_cpus=max(2, cfg.num_workers * cfg.threads_per_worker))
+    if __name__ != "__main__":  # imported (tests, notebooks): workers cannot import jobs/, so ship it by value
+        from ray import cloudpickle
+
+        cloudpickle.register_pickle_by_value(sys.modules[__name__])
     trainer = TorchTrainer(
         train_loop,
         train_loop_config={"cfg": cfg},

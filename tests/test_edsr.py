@@ -209,7 +209,11 @@ def test_train_job_runs_checkpoints_resumes_and_exports(tmp_path, shared_data, r
     run = tmp_path / "train_edsr"
     (folder,) = list(run.iterdir())
     assert json.loads((folder / "report.json").read_text())["meta"]["steps"] == 4
-    # the same config again resumes from the finished run's last checkpoint instead of training anew
+    checkpoints = sorted(p.name for p in (folder / "train").glob("checkpoint_*") if p.is_dir())
+    assert len(checkpoints) == 2  # steps 2 and 4 (ckpt_every=2), both kept
+    # the same config again resumes from the finished run's last checkpoint instead of training anew:
+    # same folder, no new checkpoint, same weights
     second = train_edsr.main(argv)
     assert second["meta"] == first["meta"]
     assert list(run.iterdir()) == [folder]
+    assert sorted(p.name for p in (folder / "train").glob("checkpoint_*") if p.is_dir()) == checkpoints
