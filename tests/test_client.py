@@ -172,3 +172,21 @@ def test_make_client_checks_its_arguments():
     with pytest.raises(ValueError):
         ToolClient(InProcessTransport(TOOLS), timeout_s=0)
     assert isinstance(make_client("inprocess", tools=TOOLS).transport, InProcessTransport)
+
+
+def test_client_and_metrics_import_without_ray_and_metric_specs_are_checked():
+    import subprocess
+    import sys
+
+    code = ("import sys, osvl.tools.client, osvl.metrics\n"
+            "print(','.join(m for m in ('ray', 'torch', 'cv2', 'aiohttp') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == ""
+    from osvl.metrics import SPECS, TOOL_REQUESTS, MetricSpec, prometheus_name
+
+    assert prometheus_name(TOOL_REQUESTS) == "ray_osvl_tool_requests_total"
+    assert all(name.startswith("osvl_") and spec.name == name for name, spec in SPECS.items())
+    with pytest.raises(ValueError, match="start with 'osvl_'"):
+        MetricSpec("tool_requests", "counter", "x")
+    with pytest.raises(ValueError, match="bucket boundaries"):
+        MetricSpec("osvl_x_seconds", "histogram", "x")
