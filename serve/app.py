@@ -23,9 +23,15 @@ tool answered), 422 ``invalid_call``, 413 over a limit, 401 without the bearer
 token when auth is on, 504 ``timeout``, 503 ``unavailable``. The body of every
 non-2xx answer is still a typed tool result.
 
-Start it: ``python -m serve.app`` (a loopback Ray cluster and the app, for a
-laptop), or ``serve run serve/config.yaml`` / ``serve deploy`` on a cluster; the
-builder ``build_app(args)`` takes the ``ServeConfig`` fields as ``args``.
+Handle callers (``osvl.tools.client.HandleTransport``) send images as ObjectRefs and
+group concurrent calls to one tool into one ``call_many`` request; each call is
+still run and metered on its own (``osvl.metrics``: requests by tool and status,
+latency, in flight, batch size).
+
+Start it: ``python -m serve.app --config=serve/config.yaml`` (a loopback Ray cluster
+and the app, for a laptop), or ``serve run serve/config.yaml`` / ``serve deploy`` on
+a cluster; the builder ``build_app(args)`` takes the ``ServeConfig`` fields as ``args``.
+serve/README.md shows every command.
 """
 
 # no `from __future__ import annotations`: FastAPI must see the real ``Request`` type on the replica
@@ -46,7 +52,7 @@ from ray import serve
 
 from osvl.config import from_dict, opt
 from osvl.tools.base import MAX_PIXELS, InvalidCall, Tool, ToolContext, ToolResult, call_tool
-from osvl.tools.client import DEPLOYMENT_PREFIX, HTTP_STATUS, _ray_failure, decode_image, result_to_wire
+from osvl.tools.client import DEPLOYMENT_PREFIX, HTTP_STATUS, decode_image, ray_failure, result_to_wire
 
 APP_NAME = "osvl_tools"
 
@@ -417,8 +423,8 @@ class ToolAPI:
         except TimeoutError:
             response.cancel()
             result = ToolResult.fail("timeout", f"{name} took longer than {self.cfg.timeout_s:g} s")
-        except Exception as e:  # noqa: BLE001 - typed by _ray_failure
-            result = _ray_failure(name, e)
+        except Exception as e:  # noqa: BLE001 - typed by ray_failure
+            result = ray_failure(name, e)
         if result.ok and result.images:
             return await asyncio.to_thread(_answer, result)  # PNG encoding is CPU work
         return _answer(result)

@@ -167,7 +167,7 @@ class InProcessTransport:
         pass
 
 
-def _ray_failure(name: str, e: BaseException) -> ToolResult:
+def ray_failure(name: str, e: BaseException) -> ToolResult:
     """Type an exception raised by a Serve handle call: infrastructure -> unavailable, else tool_error."""
     from ray.exceptions import RayActorError, RayTaskError
     from ray.serve.exceptions import (
@@ -238,7 +238,7 @@ class HandleTransport:
         except (KeyError, ValueError) as e:
             return ToolResult.fail("invalid_call", f"unknown tool {name!r} in app {self.app_name!r}: {e}")
         except Exception as e:  # noqa: BLE001 - controller unreachable, app not deployed
-            return _ray_failure(name, e)
+            return ray_failure(name, e)
         loop = asyncio.get_running_loop()
         future = loop.create_future()
         group = self._pending.setdefault(name, [])
@@ -257,7 +257,7 @@ class HandleTransport:
         try:
             results = await self._handle(name).call_many.remote([call for call, _ in group])
         except Exception as e:  # noqa: BLE001 - the whole group failed the same way
-            results = [_ray_failure(name, e)] * len(group)
+            results = [ray_failure(name, e)] * len(group)
         for (_, future), result in zip(group, results, strict=True):
             if not future.done():  # a caller that timed out has cancelled its future
                 future.set_result(result)
