@@ -51,8 +51,14 @@ def _local(tag: str) -> str:
     return tag.rsplit("}", 1)[-1]
 
 
-def iter_pages(source: str | Path | IO[bytes]) -> Iterator[Page]:
-    """Stream the pages of an export (.xml or .xml.bz2 path, or a binary file object)."""
+def iter_page_fields(source: str | Path | IO[bytes]) -> Iterator[dict[str, str]]:
+    """Stream the pages of an export as raw string fields ``title, ns, id, redirect, text``.
+
+    Nothing is validated here, so that one malformed page (``<ns>zero</ns>``) does not end
+    the stream: the Ray Data job ships these plain dicts to workers, which call
+    ``page_from_fields`` and count the pages it rejects. Malformed *XML* still raises
+    ``DataError``: past a syntax error there is no next page to read.
+    """
     if isinstance(source, str | Path):
         path = Path(source)
         if not path.is_file():
@@ -79,7 +85,7 @@ def iter_pages(source: str | Path | IO[bytes]) -> Iterator[Page]:
                     for sub in child:
                         if _local(sub.tag) == "text":
                             fields["text"] = sub.text or ""
-            yield Page(fields["title"], int(fields["ns"]), int(fields["id"]), fields["redirect"], fields["text"])
+            yield fields
             elem.clear()
             if root is not None:
                 root.clear()  # drops the root's references to finished pages: memory stays flat
@@ -88,6 +94,23 @@ def iter_pages(source: str | Path | IO[bytes]) -> Iterator[Page]:
     finally:
         if isinstance(source, str | Path):
             f.close()
+
+
+def page_from_fields(fields: dict[str, str]) -> Page:
+    """A ``Page`` from ``iter_page_fields`` output; ``DataError`` when ns/id are not integers or the title is empty."""
+    try:
+        ns, page_id = int(fields["ns"]), int(fields["id"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise DataError(f"page {fields.get('title')!r}: ns/id are not integers ({e})") from e
+    if not (fields.get("title") or "").strip():
+        raise DataError(f"page id {page_id}: empty title")
+    return Page(fields["title"], ns, page_id, fields.get("redirect") or "", fields.get("text") or "")
+
+
+def iter_pages(source: str | Path | IO[bytes]) -> Iterator[Page]:
+    """Stream the pages of an export (.xml or .xml.bz2 path, or a binary file object)."""
+    for fields in iter_page_fields(source):
+        yield page_from_fields(fields)
 
 
 _BRACES = re.compile(r"\{\{|\}\}")
