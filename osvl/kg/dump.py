@@ -1,0 +1,288 @@
+"""A MediaWiki ``pages-articles`` dump -> KG Parquet tables, with Ray Data (``jobs/build_kg.py``).
+
+Two passes:
+
+1. **Parse (parallel).** The driver streams the .bz2 with ``mediawiki.iter_page_fields``
+   and cuts the page stream into shards of ``shard_pages`` pages (shard k = pages
+   ``[k*n, (k+1)*n)`` of the stream, so shard boundaries are the same on every run).
+   ``workers`` shards at a time become one ``ray.data.from_items`` dataset, one shard per
+   block; ``map_batches`` runs ``parse_page`` on every page of a shard on a worker, which
+   writes the shard atomically (``.tmp`` + rename) as ``shards/NNNNNN.parquet`` and
+   returns its counts. The driver reads the next wave while the current one runs (one
+   background thread), so it holds at most two waves of raw pages: memory is bounded by
+   ``2 * workers * shard_pages`` pages whatever the size of the dump.
+   Why the driver reads at all: a ``.bz2`` stream cannot be split without the
+   multistream index, and one reader keeps page order (hence ids) deterministic.
+   A page that does not validate or that ``parse_page`` cannot handle is skipped and
+   counted, never fatal; the counts live in each shard's Parquet metadata, so a rerun
+   that skips finished shards still reports the totals.
+2. **Resolve (small).** Read the shards back in order: namespace-0 redirects become
+   aliases of their targets, links are resolved through the redirect table exactly as
+   ``mediawiki.load`` does (same ids, same edges), and ``write_kg`` writes the tables.
+   This pass holds the article rows and the title/redirect maps in memory, because
+   ``write_kg`` takes lists; on the full English dump that is the machine-size step (see
+   the README), the parallel part is pass 1.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from osvl.config import REPO_ROOT, RunConfig, opt, run_dir
+from osvl.errors import ConfigError, DataError
+from osvl.kg.mediawiki import iter_page_fields, page_from_fields, parse_page
+from osvl.kg.schema import fold, write_kg
+
+JOB = "build_kg"
+SAMPLE_INPUT = "../shared/data/mediawiki/enwiki-pages-articles-sample.xml.bz2"
+MAX_BAD_EXAMPLES = 5
+STATS_KEY = b"osvl_stats"
+
+SHARD_SCHEMA = pa.schema([
+    ("title", pa.string()),
+    ("redirect", pa.string()),
+    ("text", pa.string()),
+    ("attributes", pa.list_(pa.struct([("key", pa.string()), ("value", pa.string()), ("source", pa.string())]))),
+    ("links", pa.list_(pa.struct([("target", pa.string()), ("relation", pa.string())]))),
+    ("images", pa.list_(pa.string())),
+    ("categories", pa.list_(pa.string())),
+    ("kind", pa.string()),
+])
+"""One row per namespace-0 page of a shard, in stream order; redirects have ``redirect`` set and nothing else."""
+
+
+@dataclasses.dataclass
+class BuildKGConfig:
+    run: RunConfig = opt(RunConfig, "Run root and global seed.")
+    input: str = opt(SAMPLE_INPUT, "MediaWiki pages-articles export (.xml or .xml.bz2); relative paths are "
+                     "relative to the repo root. Default: the shared 2016 sample (106 articles, 99 redirects).")
+    shard_pages: int = opt(20, "Pages (of any namespace, redirects included) per shard: the unit of work "
+                           "and of resume.")
+    workers: int = opt(2, "Shards parsed at once (one Ray Data block and one CPU each); also the wave size "
+                       "the driver reads ahead.", hashed=False)
+    out_dir: str = opt("", "Also copy the KG tables here when set (e.g. a folder every node can read).",
+                       hashed=False)
+
+
+def validate(cfg: BuildKGConfig) -> Path:
+    """Checks the config; returns the input path (resolved against the repo root)."""
+    if cfg.shard_pages < 1 or cfg.workers < 1:
+        raise ConfigError(f"shard_pages and workers must be >= 1, got {cfg.shard_pages}, {cfg.workers}")
+    if not cfg.input:
+        raise ConfigError("set --input=PATH to a pages-articles export (.xml.bz2); see the README for the full dump")
+    path = Path(cfg.input)
+    path = path if path.is_absolute() else REPO_ROOT / path
+    if not path.is_file():
+        raise ConfigError(f"input {cfg.input!r} does not exist ({path}); download the dump first (README)")
+    return path
+
+
+def shard_path(shard_dir: Path, k: int) -> Path:
+    return shard_dir / f"{k:06d}.parquet"
+
+
+def check_same_input(path: Path, shard_dir: Path) -> None:
+    """Resume only over the same export: the config hash sees the path, not the bytes behind it."""
+    digest = hashlib.sha256(str(path.stat().st_size).encode())
+    with open(path, "rb") as f:
+        digest.update(f.read(1 << 20))  # size + first MiB: cheap, and a new dump differs in both
+    stamp, fingerprint = shard_dir / "input.sha256", digest.hexdigest()
+    shard_dir.mkdir(parents=True, exist_ok=True)
+    if stamp.is_file() and stamp.read_text().strip() != fingerprint:
+        raise ConfigError(f"{shard_dir} holds shards of another export; pick a new --run.name or delete it")
+    stamp.write_text(fingerprint + "\n")
+
+
+def parse_shard(pages: list[dict[str, str]]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Parse one shard's raw pages: namespace-0 rows in order, and counts (bad pages skipped)."""
+    rows: list[dict[str, Any]] = []
+    stats: dict[str, Any] = {"pages": len(pages), "articles": 0, "redirects": 0, "other_ns": 0, "bad": 0,
+                             "bad_examples": []}
+    for fields in pages:
+        try:
+            page = page_from_fields(fields)
+            if page.ns != 0:
+                stats["other_ns"] += 1
+                continue
+            row = parse_page(page)
+        except Exception as e:  # noqa: BLE001 - any failure on one page must skip that page, not the job
+            stats["bad"] += 1
+            if len(stats["bad_examples"]) < MAX_BAD_EXAMPLES:
+                stats["bad_examples"].append(f"{fields.get('title', '')!r}: {type(e).__name__}: {e}"[:300])
+            continue
+        stats["redirects" if page.redirect else "articles"] += 1
+        row["links"] = [{"target": t, "relation": r} for t, r in row["links"]]
+        rows.append(row)
+    return rows, stats
+
+
+def write_shard(path: Path, rows: list[dict[str, Any]], stats: dict[str, Any]) -> None:
+    """Atomic: a reader (or a resumed run) sees the whole shard or none of it."""
+    table = pa.Table.from_pylist(rows, schema=SHARD_SCHEMA)
+    table = table.replace_schema_metadata({STATS_KEY: json.dumps(stats).encode()})
+    tmp = path.with_suffix(".parquet.tmp")
+    pq.write_table(table, tmp, compression="zstd")
+    os.replace(tmp, path)
+
+
+def read_stats(path: Path) -> dict[str, Any]:
+    meta = pq.read_schema(path).metadata or {}
+    if STATS_KEY not in meta:
+        raise DataError(f"{path} has no shard counts: not written by {JOB}; delete it to rebuild")
+    return json.loads(meta[STATS_KEY])
+
+
+def parse_batch(batch: pa.Table, shard_dir: str) -> pa.Table:
+    """Ray Data ``map_batches`` function: each row is one shard ``{shard, pages}``; writes it, returns counts."""
+    out = {"shard": [], "stats": []}
+    for item in batch.to_pylist():
+        t0 = time.perf_counter()
+        rows, stats = parse_shard(item["pages"])
+        stats["seconds"] = round(time.perf_counter() - t0, 3)
+        write_shard(shard_path(Path(shard_dir), item["shard"]), rows, stats)
+        out["shard"].append(item["shard"])
+        out["stats"].append(json.dumps(stats))
+    return pa.table(out)
+
+
+def iter_waves(path: Path, shard_pages: int, wave: int, done: set[int]) -> Iterator[tuple[list[dict[str, Any]], int]]:
+    """Yield (shards to parse, pages streamed so far): up to ``wave`` shards not in ``done``, in order.
+
+    Finished shards are streamed past without being kept: the bz2 must still be read to
+    find where the next shard starts, but nothing of a finished shard reaches Ray.
+    """
+    items: list[dict[str, Any]] = []
+    pages: list[dict[str, str]] = []
+    k = n = 0
+    for fields in iter_page_fields(path):
+        n += 1
+        if k not in done:
+            pages.append(fields)
+        if n % shard_pages == 0:
+            if k not in done:
+                items.append({"shard": k, "pages": pages})
+            pages, k = [], k + 1
+            if len(items) >= wave:
+                yield items, n
+                items = []
+    if pages:
+        items.append({"shard": k, "pages": pages})
+    if items:
+        yield items, n
+
+
+def run_wave(items: list[dict[str, Any]], shard_dir: Path) -> list[tuple[int, dict[str, Any]]]:
+    import ray
+
+    ray.data.DataContext.get_current().enable_progress_bars = False  # the job prints one line per shard
+    ds = ray.data.from_items(items, override_num_blocks=len(items))
+    ds = ds.map_batches(parse_batch, batch_size=1, batch_format="pyarrow", num_cpus=1,
+                        fn_kwargs={"shard_dir": str(shard_dir)})
+    return [(int(r["shard"]), json.loads(r["stats"])) for r in ds.iter_rows()]
+
+
+def parse_dump(path: Path, shard_dir: Path, shard_pages: int, workers: int, log: Callable[[str], None]) -> int:
+    """Pass 1; returns how many shards were parsed in this run (the rest were already on disk)."""
+    done = {int(p.stem) for p in shard_dir.glob("[0-9]*.parquet")}
+    if done:
+        log(f"build_kg: {len(done)} shards already written in {shard_dir}; they are skipped")
+    parsed, t0 = 0, time.perf_counter()
+    pending: Future | None = None
+    with ThreadPoolExecutor(max_workers=1) as pool:  # one wave runs while the driver reads the next
+        for items, streamed in iter_waves(path, shard_pages, workers, done):
+            if pending is not None:
+                parsed += _report(pending.result(), log, t0)
+            log(f"build_kg: read {streamed} pages; parsing shards {items[0]['shard']}..{items[-1]['shard']}")
+            pending = pool.submit(run_wave, items, shard_dir)
+        if pending is not None:
+            parsed += _report(pending.result(), log, t0)
+    return parsed
+
+
+def _report(results: list[tuple[int, dict[str, Any]]], log: Callable[[str], None], t0: float) -> int:
+    for k, s in sorted(results):
+        log(f"  shard {k:6d}: {s['pages']} pages, {s['articles']} articles, {s['redirects']} redirects, "
+            f"{s['bad']} bad, {s['seconds']} s (t={time.perf_counter() - t0:.1f} s)")
+    return len(results)
+
+
+def resolve(shard_dir: Path) -> tuple[list[dict[str, Any]], list[tuple[int, int, str]], dict[str, Any]]:
+    """Pass 2: entities and links from the shards, resolved as ``mediawiki.load`` resolves them."""
+    paths = sorted(shard_dir.glob("[0-9]*.parquet"), key=lambda p: int(p.stem))
+    ks = [int(p.stem) for p in paths]
+    if ks != list(range(len(ks))):
+        raise DataError(f"{shard_dir}: shards {sorted(set(range(max(ks, default=-1) + 1)) - set(ks))} are missing")
+    totals: dict[str, Any] = {"shards": len(paths), "pages": 0, "articles": 0, "redirects": 0, "other_ns": 0,
+                              "bad": 0, "bad_examples": []}
+    rows: list[dict[str, Any]] = []
+    redirects: dict[str, str] = {}  # folded redirect title -> target title (last one wins, as in load)
+    redirect_titles: list[str] = []
+    for path in paths:
+        stats = read_stats(path)
+        for key in ("pages", "articles", "redirects", "other_ns", "bad"):
+            totals[key] += stats[key]
+        totals["bad_examples"] += stats["bad_examples"][: MAX_BAD_EXAMPLES - len(totals["bad_examples"])]
+        for row in pq.read_table(path).to_pylist():
+            if row["redirect"]:
+                redirects[fold(row["title"])] = row["redirect"]
+                redirect_titles.append(row["title"])
+            else:
+                rows.append(row)
+    ids = {fold(r["title"]): i for i, r in enumerate(rows)}
+    entities = [{"id": i, "title": r["title"], "aliases": [], "description": "", "text": r["text"],
+                 "attributes": r["attributes"], "images": r["images"], "categories": r["categories"],
+                 "kind": r["kind"], "origin": "mediawiki"} for i, r in enumerate(rows)]
+    for alias in redirect_titles:
+        target = fold(redirects[fold(alias)])
+        if target in ids:
+            entities[ids[target]]["aliases"].append(alias)
+    links: list[tuple[int, int, str]] = []
+    for i, r in enumerate(rows):
+        for link in r["links"]:
+            k = fold(link["target"])
+            k = fold(redirects.get(k, link["target"])) if k not in ids else k  # one hop, as MediaWiki does
+            if k in ids and ids[k] != i:
+                links.append((i, ids[k], link["relation"]))
+        r.clear()  # the parsed row is no longer needed once its links are resolved
+    return entities, links, totals
+
+
+def run(cfg: BuildKGConfig, *, log: Callable[[str], None] = print) -> tuple[Path, dict[str, Any]]:
+    """Both passes; returns the KG folder and the counts (also saved as ``counts.json``)."""
+    from osvl.cluster import init_ray
+
+    path = validate(cfg)
+    out = run_dir(cfg, JOB)
+    shard_dir, kg_dir = out / "shards", out / "kg"
+    check_same_input(path, shard_dir)
+    t0 = time.perf_counter()
+    log(f"build_kg: {path} -> {out} ({cfg.shard_pages} pages per shard, {cfg.workers} at once)")
+    init_ray()
+    parsed = parse_dump(path, shard_dir, cfg.shard_pages, cfg.workers, log)
+    t1 = time.perf_counter()
+    entities, links, totals = resolve(shard_dir)
+    counts = write_kg(kg_dir, entities, links)
+    report = {**totals, "parsed_this_run": parsed, **counts, "aliases": sum(len(e["aliases"]) for e in entities),
+              "parse_seconds": round(t1 - t0, 1), "resolve_seconds": round(time.perf_counter() - t1, 1)}
+    (out / "counts.json").write_text(json.dumps(report, indent=1))
+    if cfg.out_dir:
+        dest = Path(cfg.out_dir)
+        dest.mkdir(parents=True, exist_ok=True)
+        for name in ("entities.parquet", "links.parquet", "anchors.parquet"):
+            tmp = dest / f"{name}.tmp"
+            tmp.write_bytes((kg_dir / name).read_bytes())
+            os.replace(tmp, dest / name)
+    log(f"build_kg: {report['entities']} entities, {report['aliases']} aliases, {report['links']} links; "
+        f"{report['bad']} bad pages skipped; {parsed} shards parsed this run -> {kg_dir}")
+    return kg_dir, report
