@@ -36,6 +36,7 @@ def _set(shared_data, name):
     return {p.stem: read_rgb(p) for p in sorted((shared_data / "images" / "sr" / name).glob("*.png"))}
 
 
+@pytest.mark.slow  # a fresh interpreter importing torch
 def test_edsr_class_is_basicsr_code_without_torchvision():
     code = ("import sys\n"
             "from osvl.tools.super_resolution import _basicsr_edsr_class\n"
