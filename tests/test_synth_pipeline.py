@@ -62,3 +62,35 @@ def test_killed_run_resumes_to_the_rows_of_an_uninterrupted_run(tmp_path):
     assert _rows(root / "killed") == expected
     assert sorted(p.name for p in shards.glob("*.parquet")) == [f"shard-{k:05d}.parquet" for k in range(6)]
     assert {name: (shards / name).stat().st_mtime_ns for name in done} == stamps  # kept, not redone
+
+
+STAGE = '''
+import pyarrow as pa
+import pyarrow.compute as pc
+
+
+class KeepTwoHops:
+    """Stands in for the difficulty filter: a callable class over pyarrow batches, as the slot expects."""
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        return batch.filter(pc.equal(batch.column("hops"), 2))
+'''
+
+
+@pytest.mark.slow
+def test_difficulty_filter_slot_runs_a_named_stage(tmp_path):
+    import json
+
+    kg = make_kg(tmp_path / "kg")
+    (tmp_path / "stages").mkdir()
+    (tmp_path / "stages" / "keep_two.py").write_text(STAGE)
+    env = {**os.environ, "OSVL_RUN_ROOT": str(tmp_path / "runs"),
+           "PYTHONPATH": os.pathsep.join([str(tmp_path / "stages"), os.environ.get("PYTHONPATH", "")])}
+    cmd = [sys.executable, str(REPO / "jobs" / "synthesize.py"), f"--kg_dir={kg}", "--run.name=f",
+           "--num_shards=2", "--questions_per_seed=20", "--filter.stage=keep_two:KeepTwoHops"]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = _rows(tmp_path / "runs" / "synthesize" / "f")
+    card = json.loads((tmp_path / "runs" / "synthesize" / "f" / "data_card.json").read_text())
+    assert rows and {r["hops"] for r in rows} == {2}
+    assert card["drops"]["difficulty_filter"]["rejected"] > len(rows) // 2
