@@ -30,6 +30,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import sys
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -253,7 +254,7 @@ def resolve(shard_dir: Path) -> tuple[list[dict[str, Any]], list[tuple[int, int,
             k = fold(link["target"])
             k = fold(redirects.get(k, link["target"])) if k not in ids else k  # one hop, as MediaWiki does
             if k in ids and ids[k] != i:
-                links.append((i, ids[k], link["relation"]))
+                links.append((i, ids[k], sys.intern(link["relation"])))  # a few hundred keys, shared
         r.clear()  # the parsed row is no longer needed once its links are resolved
     return entities, links, totals
 
