@@ -13,7 +13,7 @@ import pytest
 
 from osvl.config import RunConfig
 from osvl.kg import mediawiki
-from osvl.kg.dump import BuildKGConfig, parse_shard, run, shard_path
+from osvl.kg.dump import BuildKGConfig, iter_waves, parse_shard, run, shard_path
 from osvl.kg.schema import fold, load_kg
 
 REPO = Path(__file__).resolve().parents[1]
@@ -177,3 +177,14 @@ def test_rerun_rewrites_only_the_deleted_shard(built) -> None:
     for name, table in tables.items():
         assert pq.read_table(kg_dir / name).equals(table), name
     assert json.loads((kg_dir.parent / "counts.json").read_text())["entities"] == report["entities"]
+
+
+def test_waves_keep_shard_boundaries_when_shards_are_skipped(shared_data: Path) -> None:
+    source = shared_data / MW_SAMPLE
+    full = [item for items, _ in iter_waves(source, 20, 3, set()) for item in items]
+    assert [it["shard"] for it in full] == list(range(11)) and sum(len(it["pages"]) for it in full) == 206
+    waves = list(iter_waves(source, 20, 3, {0, 2, 7}))
+    assert [[it["shard"] for it in items] for items, _ in waves] == [[1, 3, 4], [5, 6, 8], [9, 10]]
+    assert [streamed for _, streamed in waves] == [100, 180, 206]  # a wave goes out as soon as it is full
+    kept = {it["shard"]: it["pages"] for items, _ in waves for it in items}
+    assert all(kept[k] == full[k]["pages"] for k in kept)  # a skipped shard does not shift the next ones

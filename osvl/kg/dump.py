@@ -19,9 +19,16 @@ Two passes:
 2. **Resolve (small).** Read the shards back in order: namespace-0 redirects become
    aliases of their targets, links are resolved through the redirect table exactly as
    ``mediawiki.load`` does (same ids, same edges), and ``write_kg`` writes the tables.
-   This pass holds the article rows and the title/redirect maps in memory, because
-   ``write_kg`` takes lists; on the full English dump that is the machine-size step (see
-   the README), the parallel part is pass 1.
+   This pass runs on the driver and holds every article row, the title/redirect maps and
+   every edge in memory, because ``write_kg`` (the one validated writer) takes lists. That
+   is what keeps the two loaders provably identical, and it is fine up to a few million
+   edges; on the full English dump (~7 M articles, a few hundred million edges) it needs a
+   head node with well over 100 GB of RAM. A streaming writer in ``schema.py`` (or a Ray
+   Data join) would lift that; pass 1 is unaffected.
+
+Resume re-streams the .bz2 from the start (a bz2 stream has no random access) but hands no
+page of a finished shard to Ray. Malformed XML (not a malformed page) stops the job with
+``DataError``: past a syntax error the stream has no next page; shards written so far stay.
 """
 
 from __future__ import annotations
