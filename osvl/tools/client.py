@@ -259,8 +259,9 @@ class HandleTransport:
         except Exception as e:  # noqa: BLE001 - the whole group failed the same way
             results = [ray_failure(name, e)] * len(group)
         if not isinstance(results, list) or len(results) != len(group):
-            results = [ToolResult.fail("tool_error", f"{name}: call_many answered {len(results)} results "
-                                                     f"for {len(group)} calls")] * len(group)
+            got = len(results) if isinstance(results, list) else type(results).__name__
+            results = [ToolResult.fail("tool_error", f"{name}: call_many answered {got} for {len(group)} calls")
+                       ] * len(group)
         for (_, future), result in zip(group, results, strict=True):
             if not future.done():  # a caller that timed out has cancelled its future
                 future.set_result(result)
