@@ -199,11 +199,16 @@ class HandleTransport:
     - Calls to one tool issued in the same event-loop tick (a rollout actor runs many episodes
       concurrently) travel as one Serve request (``call_many``), so Serve's fixed per-request
       cost is paid once per group; the replica still runs and meters each call on its own. A
-      lone call is sent on the next tick, so nothing waits for company.
+      lone call is sent on the next tick, so nothing waits for company. Groups hold at most
+      ``group_size`` calls (on 2 cores, sharpen 512x512 at 8 callers: 114 calls/s one by one,
+      148 in pairs, 177 in fours, 189 in eights), so a large burst still spreads over replicas.
     """
 
-    def __init__(self, app_name: str = "osvl_tools") -> None:
+    def __init__(self, app_name: str = "osvl_tools", group_size: int = 16) -> None:
+        if group_size < 1:
+            raise ValueError("group_size must be >= 1")
         self.app_name = app_name
+        self.group_size = group_size
         self._handles: dict[str, Any] = {}
         self._refs: dict[int, tuple[Any, Any]] = {}  # id(array) -> (weakref to it, ObjectRef)
         self._pending: dict[str, list[tuple[tuple[Any, Any, str], asyncio.Future]]] = {}
@@ -251,9 +256,11 @@ class HandleTransport:
             return ToolResult.fail("timeout", f"{name} took longer than {timeout_s:g} s")
 
     async def _send(self, name: str) -> None:
-        group = self._pending.pop(name, [])
-        if not group:
-            return
+        pending = self._pending.pop(name, [])
+        size = self.group_size
+        await asyncio.gather(*[self._send_group(name, pending[i:i + size]) for i in range(0, len(pending), size)])
+
+    async def _send_group(self, name: str, group: list[tuple[tuple[Any, Any, str], asyncio.Future]]) -> None:
         try:
             results = await self._handle(name).call_many.remote([call for call, _ in group])
         except Exception as e:  # noqa: BLE001 - the whole group failed the same way
