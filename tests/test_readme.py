@@ -1,0 +1,62 @@
+"""Every command in the README's bash blocks runs, as written, on this machine.
+
+`make test` is the one exception: it is the command that runs this file (CI runs it).
+Commands run in the repository with ``OSVL_RUN_ROOT`` pointing at a temporary folder
+so the test never touches a user's runs.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SKIP = {"make test"}
+
+
+def readme_blocks() -> list[list[str]]:
+    text = (REPO / "README.md").read_text()
+    blocks = re.findall(r"```bash\n(.*?)```", text, flags=re.S)
+    out = []
+    for block in blocks:
+        lines = [line.split("  #")[0].strip() for line in block.splitlines()]
+        out.append([line for line in lines if line and not line.startswith("#")])
+    return out
+
+
+def test_readme_shows_the_two_commands():
+    commands = [c for block in readme_blocks() for c in block]
+    assert "make demo" in commands and "make test" in commands
+
+
+def run(command: str, env: dict[str, str], timeout: int = 1500) -> subprocess.CompletedProcess:
+    out = subprocess.run(["bash", "-c", command], cwd=REPO, env=env, capture_output=True, text=True,
+                         timeout=timeout)
+    assert out.returncode == 0, f"`{command}` failed ({out.returncode}):\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
+    return out
+
+
+@pytest.mark.slow
+def test_every_readme_command_runs(tmp_path):
+    env = {**os.environ, "OSVL_RUN_ROOT": str(tmp_path / "runs")}
+    ran = []
+    for block in readme_blocks():
+        cleanup = "make ray-down" if "make ray-up" in block else None
+        try:
+            for command in block:
+                if command in SKIP:
+                    continue
+                out = run(command, env)
+                ran.append(command)
+                if command == "make demo":
+                    assert "demo: OK" in out.stdout
+                if "ray job submit" in command:
+                    assert "succeeded" in out.stdout + out.stderr
+        finally:
+            if cleanup and cleanup not in ran:
+                subprocess.run(["bash", "-c", cleanup], cwd=REPO, env=env, capture_output=True, timeout=120)
+    assert "make demo" in ran and "make ray-up" in ran
