@@ -284,7 +284,9 @@ def test_text_search_acceptance_unique_descriptions(tmp_path_factory):
     if not (SAMPLE_DIR / "entities.parquet").is_file():
         pytest.skip("KG sample not built yet")
     os.environ.setdefault("OSVL_CACHE", str(tmp_path_factory.mktemp("cache")))
-    index = build_text_index(SAMPLE_DIR, exclude_fields=["description"])
+    # dense_recall embeds all ~12.6k entities once (cached beside the index): minutes of CPU on a cold cache
+    index = build_text_index(SAMPLE_DIR, exclude_fields=["description"], cfg=TextSearchConfig(dense_recall=10))
+    assert index.dense is not None and index.dense.shape == (len(index.titles), 384)
     ents = pq.read_table(SAMPLE_DIR / "entities.parquet", columns=["title", "description"]).to_pylist()
     count = collections.Counter(e["description"] for e in ents)
     pool = [e for e in ents if e["description"] and count[e["description"]] == 1]
