@@ -165,7 +165,7 @@ def test_key_without_backend_option_follows_the_default_config(tmp_path):
     tool = REGISTRY["text_search"]
     cache = ToolCache(tmp_path, "replay")
     ctx = ToolContext(images={})
-    saved = ts._DEFAULT_CFG
+    saved = ts.DEFAULT.cfg
     try:
         offline = cache.key(tool, {"query": "x"}, ctx)[0]
         ts.configure(ts.TextSearchConfig(backend="web"))

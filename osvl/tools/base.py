@@ -186,3 +186,38 @@ def call_tool(tool: Tool, arguments: Any, ctx: ToolContext) -> ToolResult:
         except InvalidCall as e:
             return ToolResult.fail("invalid_call", f"{tool.name} output: {e}", limit=e.limit)
     return result
+
+
+class LazyBackend:
+    """A tool module's default backend: built on first use from a config, rebuilt after ``configure``.
+
+    Search indexes take seconds to minutes to build, so a tool module must not build
+    one at import; and callers that pass their own backend in ``ToolContext.options``
+    never pay for it. ``backend_id`` (a hash of the config) is what the record/replay
+    cache keys on for calls that use this default.
+    """
+
+    def __init__(self, build: Callable[[Any], Any], cfg: Any) -> None:
+        import threading
+
+        self._build, self.cfg, self._obj = build, cfg, None
+        self._lock = threading.Lock()
+
+    def configure(self, cfg: Any) -> None:
+        with self._lock:
+            self.cfg, self._obj = cfg, None
+
+    def backend_id(self) -> str:
+        import dataclasses
+        import hashlib
+        import json
+
+        with self._lock:
+            blob = json.dumps(dataclasses.asdict(self.cfg), sort_keys=True, default=str)
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+    def get(self) -> Any:
+        with self._lock:
+            if self._obj is None:
+                self._obj = self._build(self.cfg)
+            return self._obj

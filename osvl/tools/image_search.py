@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import threading
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,7 +39,7 @@ import numpy as np
 
 from osvl.config import opt
 from osvl.errors import DataError
-from osvl.tools.base import Tool, ToolContext, ToolResult, number, register
+from osvl.tools.base import LazyBackend, Tool, ToolContext, ToolResult, number, register
 from osvl.tools.cache import atomic_write, file_digest, store_root
 
 
@@ -211,33 +210,10 @@ def _first_sentence(text: str) -> str:
     return text if end < 0 else text[:end + 1]
 
 
-_DEFAULT: ImageIndex | None = None
-_DEFAULT_CFG = ImageSearchConfig()
-_LOCK = threading.Lock()
-
-
-def configure(cfg: ImageSearchConfig) -> None:
-    """Set the config of the default backend (dropping one already built)."""
-    global _DEFAULT, _DEFAULT_CFG
-    with _LOCK:
-        _DEFAULT, _DEFAULT_CFG = None, cfg
-
-
-def default_backend_id() -> str:
-    """Hash of the default backend's config: the record/replay cache key part for calls without a backend."""
-    import hashlib
-
-    with _LOCK:
-        blob = json.dumps(dataclasses.asdict(_DEFAULT_CFG), sort_keys=True, default=str)
-    return hashlib.sha256(blob.encode()).hexdigest()[:16]
-
-
-def default_backend() -> ImageIndex:
-    global _DEFAULT
-    with _LOCK:
-        if _DEFAULT is None:
-            _DEFAULT = build_image_index(cfg=_DEFAULT_CFG)
-        return _DEFAULT
+DEFAULT = LazyBackend(lambda cfg: build_image_index(cfg=cfg), ImageSearchConfig())
+configure = DEFAULT.configure  # set the default backend's config (dropping one already built)
+default_backend_id = DEFAULT.backend_id  # the record/replay cache key part for calls without a backend
+default_backend = DEFAULT.get
 
 
 def format_hits(hits: list[ImageHit], image: str, snippet_chars: int) -> str:
@@ -256,7 +232,7 @@ def image_search(ctx: ToolContext, image: Any = None, top_k: Any = 5) -> ToolRes
     k = number({"top_k": top_k}, "top_k", lo=1, hi=20, integer=True)
     backend = ctx.options.get("image_search") or default_backend()
     hits = backend.search(arr, k)
-    snippet_chars = getattr(getattr(backend, "cfg", None), "snippet_chars", _DEFAULT_CFG.snippet_chars)
+    snippet_chars = getattr(getattr(backend, "cfg", None), "snippet_chars", DEFAULT.cfg.snippet_chars)
     return ToolResult("ok", format_hits(hits, image, snippet_chars),
                       data={"hits": [dataclasses.asdict(h) for h in hits]})
 

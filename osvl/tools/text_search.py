@@ -50,7 +50,7 @@ import numpy as np
 
 from osvl.config import opt
 from osvl.errors import ConfigError, DataError, ToolCallError
-from osvl.tools.base import InvalidCall, Tool, ToolContext, ToolResult, number, register
+from osvl.tools.base import InvalidCall, LazyBackend, Tool, ToolContext, ToolResult, number, register
 from osvl.tools.cache import atomic_write, file_digest, store_root
 from osvl.tools.web import WebConfig
 
@@ -326,38 +326,18 @@ def _attach_dense(index: TextIndex, folder: Path, cache: bool) -> TextIndex:
     return index
 
 
-_DEFAULT: Any = None
-_DEFAULT_CFG = TextSearchConfig()
-_LOCK = threading.Lock()
+def _build_default(cfg: TextSearchConfig) -> Any:
+    if cfg.backend == "web":
+        from osvl.tools.web import WebSearch
+
+        return WebSearch(cfg.web)
+    return build_text_index(cfg=cfg)
 
 
-def configure(cfg: TextSearchConfig) -> None:
-    """Set the config of the default backend (dropping one already built)."""
-    global _DEFAULT, _DEFAULT_CFG
-    with _LOCK:
-        _DEFAULT, _DEFAULT_CFG = None, cfg
-
-
-def default_backend_id() -> str:
-    """Hash of the default backend's config: the record/replay cache key part for calls without a backend."""
-    import hashlib
-
-    with _LOCK:
-        blob = json.dumps(dataclasses.asdict(_DEFAULT_CFG), sort_keys=True, default=str)
-    return hashlib.sha256(blob.encode()).hexdigest()[:16]
-
-
-def default_backend() -> Any:
-    global _DEFAULT
-    with _LOCK:
-        if _DEFAULT is None:
-            if _DEFAULT_CFG.backend == "web":
-                from osvl.tools.web import WebSearch
-
-                _DEFAULT = WebSearch(_DEFAULT_CFG.web)
-            else:
-                _DEFAULT = build_text_index(cfg=_DEFAULT_CFG)
-        return _DEFAULT
+DEFAULT = LazyBackend(_build_default, TextSearchConfig())
+configure = DEFAULT.configure  # set the default backend's config (dropping one already built)
+default_backend_id = DEFAULT.backend_id  # the record/replay cache key part for calls without a backend
+default_backend = DEFAULT.get
 
 
 def format_hits(query: str, hits: list[TextHit]) -> str:
