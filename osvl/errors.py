@@ -84,3 +84,21 @@ class LimitExceededError(ToolCallError):
 
     def __init__(self, message: str) -> None:
         super().__init__("invalid_call", message)
+
+
+class FetchRefused(ToolCallError):
+    """The web fetch's SSRF guard refused a URL (``tool_error``: the page exists, the tool will not go there)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__("tool_error", message)
+
+
+class InvalidCall(OsvlError):
+    """Raised by argument validators inside a tool; ``call_tool`` turns it into an ``invalid_call`` result.
+
+    ``limit`` marks an input over a configured limit (pixels, bytes): HTTP 413 rather than 422.
+    """
+
+    def __init__(self, message: str, *, limit: bool = False) -> None:
+        super().__init__(message)
+        self.limit = limit

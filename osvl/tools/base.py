@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from osvl.errors import TOOL_ERROR_KINDS
+from osvl.errors import TOOL_ERROR_KINDS, InvalidCall
 
 MAX_PIXELS = 40_000_000
 """Default cap on the pixels of any image a tool receives or produces (decompression bombs, OOM)."""
@@ -66,14 +66,6 @@ class ToolResult:
             "error": None if self.error is None else {"kind": self.error.kind, "message": self.error.message},
             "data": self.data,
         }
-
-
-class InvalidCall(Exception):
-    """Raised by validators inside a tool; ``call_tool`` turns it into an ``invalid_call`` result."""
-
-    def __init__(self, message: str, *, limit: bool = False) -> None:
-        super().__init__(message)
-        self.limit = limit
 
 
 @dataclass

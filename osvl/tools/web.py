@@ -37,7 +37,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from osvl.config import opt
-from osvl.errors import ConfigError, ToolCallError
+from osvl.errors import ConfigError, FetchRefused, ToolCallError
 
 REDIRECTS = (301, 302, 303, 307, 308)
 
@@ -58,13 +58,6 @@ class WebConfig:
     max_redirects: int = opt(5, "Redirect hops followed per fetch, each re-checked by the guard.")
     allow: list[str] = opt([], "SSRF guard exceptions: IP, IP:port or CIDR that may be fetched although "
                                "not public (tests: the loopback replay server).")
-
-
-class FetchRefused(ToolCallError):
-    """The guard refused a URL (``tool_error``: the page exists, the tool will not go there)."""
-
-    def __init__(self, message: str) -> None:
-        super().__init__("tool_error", message)
 
 
 class Guard:
