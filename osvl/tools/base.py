@@ -24,6 +24,9 @@ import numpy as np
 
 from osvl.errors import TOOL_ERROR_KINDS, InvalidCall
 
+IMAGE_ARG = {"type": "string", "description": "Image reference, e.g. 'img_1'."}
+"""JSON schema of an image argument: every image tool names its input image this way."""
+
 MAX_PIXELS = 40_000_000
 """Default cap on the pixels of any image a tool receives or produces (decompression bombs, OOM)."""
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from osvl.tools.base import InvalidCall, Tool, ToolContext, ToolResult, number, register
+from osvl.tools.base import IMAGE_ARG, InvalidCall, Tool, ToolContext, ToolResult, number, register
 
 
 def crop(ctx: ToolContext, image: Any = None, x: Any = None, y: Any = None, width: Any = None,
@@ -39,7 +39,7 @@ register(Tool(
     parameters={
         "type": "object",
         "properties": {
-            "image": {"type": "string", "description": "Image reference, e.g. 'img_1'."},
+            "image": IMAGE_ARG,
             "x": {"type": "integer", "minimum": 0, "description": "Left edge in pixels."},
             "y": {"type": "integer", "minimum": 0, "description": "Top edge in pixels."},
             "width": {"type": "integer", "minimum": 1, "description": "Width in pixels."},

@@ -39,7 +39,7 @@ import numpy as np
 
 from osvl.config import opt
 from osvl.errors import DataError
-from osvl.tools.base import LazyBackend, Tool, ToolContext, ToolResult, number, register
+from osvl.tools.base import IMAGE_ARG, LazyBackend, Tool, ToolContext, ToolResult, number, register
 from osvl.tools.cache import atomic_write, file_digest, store_root
 
 
@@ -244,7 +244,7 @@ register(Tool(
     parameters={
         "type": "object",
         "properties": {
-            "image": {"type": "string", "description": "Image reference, e.g. 'img_1'."},
+            "image": IMAGE_ARG,
             "top_k": {"type": "integer", "minimum": 1, "maximum": 20, "default": 5,
                       "description": "Number of entities to return."},
         },

@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from osvl.errors import DependencyMissingError
-from osvl.tools.base import InvalidCall, Tool, ToolContext, ToolResult, register
+from osvl.tools.base import IMAGE_ARG, InvalidCall, Tool, ToolContext, ToolResult, register
 
 BACKENDS = ("rapidocr", "tesseract")
 TESSERACT_INSTALL = "apt-get install -y tesseract-ocr tesseract-ocr-eng"
@@ -157,7 +157,7 @@ register(Tool(
                 "in that image's pixels, in reading order.",
     parameters={
         "type": "object",
-        "properties": {"image": {"type": "string", "description": "Image reference, e.g. 'img_1'."}},
+        "properties": {"image": IMAGE_ARG},
         "required": ["image"],
     },
     fn=ocr,

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from osvl.tools.base import Tool, ToolContext, ToolResult, register
+from osvl.tools.base import IMAGE_ARG, Tool, ToolContext, ToolResult, register
 
 MIN_AREA_FRACTION = 0.1
 """Smaller quadrilaterals are usually text boxes or windows, not the page the agent wants flattened."""
@@ -121,7 +121,7 @@ register(Tool(
                 "at an angle) and warp it to a flat, front-on rectangle.",
     parameters={
         "type": "object",
-        "properties": {"image": {"type": "string", "description": "Image reference, e.g. 'img_1'."}},
+        "properties": {"image": IMAGE_ARG},
         "required": ["image"],
     },
     fn=perspective_correct,

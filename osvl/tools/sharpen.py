@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from osvl.tools.base import Tool, ToolContext, ToolResult, number, register
+from osvl.tools.base import IMAGE_ARG, Tool, ToolContext, ToolResult, number, register
 
 MAX_AMOUNT = 10.0
 MAX_SIGMA = 50.0
@@ -53,7 +53,7 @@ register(Tool(
     parameters={
         "type": "object",
         "properties": {
-            "image": {"type": "string", "description": "Image reference, e.g. 'img_1'."},
+            "image": IMAGE_ARG,
             "amount": {"type": "number", "minimum": 0, "maximum": MAX_AMOUNT, "default": 1.5,
                        "description": "Strength: out = (1 + amount) * image - amount * blurred."},
             "sigma": {"type": "number", "minimum": 0.1, "maximum": MAX_SIGMA, "default": 3,

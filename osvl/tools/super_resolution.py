@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from osvl.errors import DependencyMissingError, ModelLoadError, WeightsMissingError
-from osvl.tools.base import InvalidCall, Tool, ToolContext, ToolResult, number, register
+from osvl.tools.base import IMAGE_ARG, InvalidCall, Tool, ToolContext, ToolResult, number, register
 
 WEIGHTS_DIR = Path(__file__).resolve().parent / "weights"
 DEFAULT_WEIGHTS = WEIGHTS_DIR / "edsr_x4.pth"
@@ -267,7 +267,7 @@ register(Tool(
     parameters={
         "type": "object",
         "properties": {
-            "image": {"type": "string", "description": "Image reference, e.g. 'img_1'."},
+            "image": IMAGE_ARG,
             "scale": {"type": "integer", "description": "Upscaling factor (the default weights do 4).",
                       "default": 4},
         },
