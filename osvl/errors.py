@@ -102,3 +102,7 @@ class InvalidCall(OsvlError):
     def __init__(self, message: str, *, limit: bool = False) -> None:
         super().__init__(message)
         self.limit = limit
+
+
+class TrainingDiverged(OsvlError):
+    """RL training left its configured KL or entropy bounds; the message says which and what to do."""

@@ -1,0 +1,226 @@
+"""The GRPO learner: one optimisation step on a batch of scored policy trajectories.
+
+Two layers. ``grpo_loss`` turns per-token log-probs and a batch's per-row
+fields into the fatal-aware loss of ARCHITECTURE.md, by calling the pure math of
+``osvl.rl.fatal`` / ``osvl.rl.loss`` in the one order the definition fixes:
+group statistics over all G first, then the mode's clamp/drop, then the token
+mask. ``Learner`` owns the model, the optimiser (a DeepSpeed engine under Ray
+Train, or plain torch for one process) and the frozen reference model, and adds
+the guards: a non-finite loss or gradient skips the step (counted), KL or entropy
+outside the configured bounds stops the run with ``TrainingDiverged``.
+
+Why the ratio uses the *recorded* behaviour log-probs: with ``max_staleness > 0``
+the rollout weights lag the learner's, and the recorded values are the only exact
+record of the distribution that sampled the tokens (recomputing them with the
+learner's weights would make every ratio 1 and silently turn off the correction).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+from osvl.config import opt
+from osvl.errors import TrainingDiverged
+from osvl.rl.fatal import NOT_FATAL, token_mask
+from osvl.rl.loss import MODES, LossOutput, apply_mode, group_advantages, policy_loss
+
+
+@dataclass
+class RLConfig:
+    """The fatal-aware GRPO knobs (defaults: ARCHITECTURE.md's table)."""
+
+    mode: Literal["vanilla", "hard_mask", "fatal_mask", "fatal_mask_clamp"] = opt(
+        "fatal_mask_clamp", "Ablation mode (per-mode table in ARCHITECTURE.md).")
+    mask_at: Literal["cascade", "kth"] = opt(
+        "cascade", "Where the token mask starts on a fatal trajectory: first failed step of the cascade "
+        "(released code) or the K-th failure (paper's formula).")
+    group_size: int = opt(8, "G: samples per question; advantages are normalised within a group.")
+    baseline: Literal["grpo", "rloo"] = opt("grpo", "grpo: (r-mean)/(std+delta); rloo: leave-one-out mean.")
+    eps_low: float = opt(0.2, "Lower clip of the importance ratio (1 - eps_low).")
+    eps_high: float = opt(0.28, "Upper clip of the importance ratio (1 + eps_high).")
+    beta: float = opt(0.001, "k3 KL coefficient to the frozen reference model; 0 disables the reference model.")
+    aggregation: Literal["seq_mean_token_mean", "token_mean", "seq_mean_token_sum"] = opt(
+        "seq_mean_token_mean", "Loss aggregation: per-trajectory token mean then mean over G (paper); "
+        "token_mean; seq_mean_token_sum (released code).")
+    lr: float = opt(1e-5, "Adam learning rate.")
+    weight_decay: float = opt(0.0, "AdamW weight decay.")
+    grad_clip: float = opt(1.0, "Global gradient-norm clip (0 = off).")
+    max_len: int = opt(4096, "Longest trajectory fed to the learner, in tokens (collate's truncation).")
+    truncation: str = opt("drop", "What collate does with a longer trajectory (see osvl/train/batch.py).")
+    kl_max: float = opt(0.0, "Stop the run when the mean k3 KL to the reference exceeds this (0 = no bound).")
+    entropy_min: float = opt(0.0, "Stop the run when the mean token entropy falls below this (0 = no bound).")
+    entropy_max: float = opt(0.0, "Stop the run when the mean token entropy exceeds this (0 = no bound).")
+
+
+def mask_starts(fatal_cascade_start: Sequence[int], fatal_kth: Sequence[int], at: str) -> torch.Tensor:
+    """Per-row turn index from which tokens get no gradient (``NOT_FATAL`` for non-fatal rows)."""
+    src = fatal_cascade_start if at == "cascade" else fatal_kth
+    return torch.tensor([NOT_FATAL if s < 0 else s for s in src], dtype=torch.long)
+
+
+@dataclass
+class StepLoss:
+    out: LossOutput
+    adv: torch.Tensor          # (B,) advantages after the mode (clamp applied)
+    raw_adv: torch.Tensor      # (B,) normalised rewards before the clamp
+    mask: torch.Tensor         # (B, T) the training mask M
+    clamped: int               # fatal rows whose negative advantage the clamp set to 0
+    kept_positive: int         # fatal rows whose advantage was >= 0 and kept
+    n_fatal: int
+
+
+def grpo_loss(logp: torch.Tensor, batch: Mapping[str, torch.Tensor], cfg: RLConfig,
+              ref_logp: torch.Tensor | None = None) -> StepLoss:
+    """Fatal-aware GRPO loss of one batch (several groups may share it).
+
+    ``batch`` holds (B, T) ``gen_mask``, ``step_ids``, ``old_logprobs`` and per-row
+    ``reward``, ``group`` (group index), ``fatal`` (bool) and ``mask_start``.
+    ``logp`` is (B, T), aligned with ``input_ids`` (log-prob of token t given < t).
+    """
+    mode = MODES[cfg.mode]
+    fatal = batch["fatal"].to(torch.bool)
+    raw = group_advantages(batch["reward"], batch["group"], baseline=cfg.baseline)
+    adv, weight = apply_mode(raw, fatal, cfg.mode)
+    start = batch["mask_start"] if mode.mask_post_fatal else torch.full_like(batch["mask_start"], NOT_FATAL)
+    gen = batch["gen_mask"].to(torch.float32)
+    mask = token_mask(gen, batch["step_ids"], start)
+    out = policy_loss(logp, batch["old_logprobs"].to(logp.dtype), adv, mask, weight, eps_low=cfg.eps_low,
+                      eps_high=cfg.eps_high, ref_logp=ref_logp, beta=cfg.beta, aggregation=cfg.aggregation,
+                      gen_mask=gen)
+    clamped = int((fatal & (raw < 0)).sum()) if mode.clamp_fatal else 0
+    kept = int((fatal & (raw >= 0)).sum()) if mode.clamp_fatal else 0
+    return StepLoss(out=out, adv=adv, raw_adv=raw, mask=mask, clamped=clamped, kept_positive=kept,
+                    n_fatal=int(fatal.sum()))
+
+
+def token_entropy(logits: torch.Tensor, mask: torch.Tensor) -> float:
+    """Mean entropy of the next-token distributions on masked positions (a collapse detector)."""
+    with torch.no_grad():
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        ent = -(logp.exp() * logp).sum(-1)
+        m = mask.to(ent.dtype)
+        return float((ent * m).sum() / m.sum().clamp(min=1.0))
+
+
+def check_bounds(cfg: RLConfig, kl: float, entropy: float, step: int) -> None:
+    """Stop the run when KL or entropy leave their bounds: a clear message instead of a silent collapse."""
+    if cfg.kl_max > 0 and kl > cfg.kl_max:
+        raise TrainingDiverged(f"step {step}: KL to the reference {kl:.4g} exceeds rl.kl_max={cfg.kl_max}; "
+                               "lower rl.lr or raise rl.beta, then resume from the last checkpoint")
+    if cfg.entropy_min > 0 and entropy < cfg.entropy_min:
+        raise TrainingDiverged(f"step {step}: token entropy {entropy:.4g} fell below rl.entropy_min="
+                               f"{cfg.entropy_min} (policy collapse); resume from an earlier checkpoint")
+    if cfg.entropy_max > 0 and entropy > cfg.entropy_max:
+        raise TrainingDiverged(f"step {step}: token entropy {entropy:.4g} exceeds rl.entropy_max="
+                               f"{cfg.entropy_max}; the policy is diverging")
+
+
+def _finite_grads(params: Sequence[torch.nn.Parameter]) -> bool:
+    for p in params:
+        if p.grad is not None and not torch.isfinite(p.grad).all():
+            return False
+    return True
+
+
+def forward_logprobs(model: torch.nn.Module, batch: Mapping[str, torch.Tensor],
+                     temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, T) log-probs of each token given the ones before (0 at position 0) and the (B, T-1, V) logits.
+
+    The same computation as ``osvl.train.batch.token_logprobs`` but also returning the
+    logits, which the entropy guard needs without a second forward pass.
+    """
+    kw: dict[str, Any] = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+    if batch.get("pixel_values") is not None and batch["pixel_values"].numel() > 0:
+        kw["pixel_values"] = batch["pixel_values"]
+        kw["image_grid_thw"] = batch["image_grid_thw"]
+    logits = model(**kw).logits[:, :-1].float() / temperature
+    lp = torch.log_softmax(logits, dim=-1).gather(-1, batch["input_ids"][:, 1:].unsqueeze(-1)).squeeze(-1)
+    return torch.nn.functional.pad(lp, (1, 0)), logits
+
+
+@dataclass
+class StepResult:
+    step: int
+    skipped: bool
+    loss: float
+    policy_loss: float
+    kl: float
+    clip_fraction: float
+    mask_coverage: float
+    entropy: float
+    grad_norm: float
+    clamped: int
+    kept_positive: int
+    n_fatal: int
+    tokens: int
+    seconds: float
+
+
+class Learner:
+    """Model + optimiser + optional frozen reference; ``step(batch)`` is one GRPO update.
+
+    ``engine`` is anything with DeepSpeed's ``backward``/``step`` interface; when None a
+    plain torch AdamW drives ``model`` (one process: tests, the single-worker demo).
+    """
+
+    def __init__(self, model: torch.nn.Module, cfg: RLConfig, *, engine: Any = None,
+                 optimizer: torch.optim.Optimizer | None = None, ref_model: torch.nn.Module | None = None) -> None:
+        self.model, self.cfg, self.engine, self.ref = model, cfg, engine, ref_model
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        if engine is None and optimizer is None:
+            optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        self.optimizer = optimizer
+        self.step_count = 0      # optimiser steps applied (the policy version)
+        self.skipped = 0         # non-finite steps skipped
+
+    def step(self, batch: Mapping[str, torch.Tensor]) -> StepResult:
+        t0 = time.perf_counter()
+        self.model.train()
+        module = self.engine if self.engine is not None else self.model
+        logp, logits = forward_logprobs(module, batch)
+        ref_logp = None
+        if self.ref is not None and self.cfg.beta > 0:
+            with torch.no_grad():
+                ref_logp, _ = forward_logprobs(self.ref, batch)
+        sl = grpo_loss(logp, batch, self.cfg, ref_logp)
+        entropy = token_entropy(logits, sl.mask[:, 1:])
+        loss = sl.out.loss
+        finite = bool(torch.isfinite(loss))
+        grad_norm = float("nan")
+        if self.engine is not None:
+            if finite:
+                self.engine.backward(loss)
+                finite = _finite_grads(self.params)
+            if finite:
+                self.engine.step()
+                grad_norm = float(self.engine.get_global_grad_norm() or 0.0)
+            else:
+                self.engine.zero_grad() if hasattr(self.engine, "zero_grad") else self.model.zero_grad(set_to_none=True)
+        else:
+            self.optimizer.zero_grad(set_to_none=True)
+            if finite:
+                loss.backward()
+                norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip or float("inf"))
+                grad_norm = float(norm)
+                finite = math.isfinite(grad_norm)
+            if finite:
+                self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        if finite:
+            self.step_count += 1
+        else:
+            self.skipped += 1
+        kl = float(sl.out.kl)
+        if finite:
+            check_bounds(self.cfg, kl, entropy, self.step_count)
+        return StepResult(step=self.step_count, skipped=not finite, loss=float(loss.detach()),
+                          policy_loss=float(sl.out.policy_loss), kl=kl, clip_fraction=float(sl.out.clip_fraction),
+                          mask_coverage=float(sl.out.mask_coverage), entropy=entropy, grad_norm=grad_norm,
+                          clamped=sl.clamped, kept_positive=sl.kept_positive, n_fatal=sl.n_fatal,
+                          tokens=int(batch["gen_mask"].sum()), seconds=time.perf_counter() - t0)
