@@ -1,0 +1,29 @@
+"""Generation engines behind two interfaces (``base.py``); ``make_engine`` builds a token engine by name.
+
+vLLM is imported only when asked for: the default environment has no vLLM (the official
+wheel is CUDA-only; the CPU build lives in its own test environment).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from osvl.agent.engines.base import ChatEngine, GenRequest, GenResult, Sampling, TokenEngine
+from osvl.errors import ConfigError
+
+__all__ = ["ChatEngine", "GenRequest", "GenResult", "Sampling", "TokenEngine", "make_engine"]
+
+ENGINES = ("hf", "vllm")
+
+
+def make_engine(kind: str, model: str, **kw: Any) -> TokenEngine:
+    """A token engine over the checkpoint directory ``model``: ``"hf"`` (transformers) or ``"vllm"``."""
+    if kind == "hf":
+        from osvl.agent.engines.hf import HFEngine
+
+        return HFEngine(model, **kw)
+    if kind == "vllm":
+        from osvl.agent.engines.vllm import VLLMEngine
+
+        return VLLMEngine(model, **kw)
+    raise ConfigError(f"unknown engine {kind!r}; choose one of {', '.join(ENGINES)}")
