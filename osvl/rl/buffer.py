@@ -1,0 +1,258 @@
+"""The trajectory buffer: issues group slots to rollout actors, admits finished groups, hands steps to the learner.
+
+Slots. The run is a sequence of *group slots* n = 0, 1, 2, ...; slot n belongs to
+learner step ``n // groups_per_step`` and asks for G samples of question
+``order[n]`` (the data cursor: a seeded permutation per epoch over the RL
+questions). A slot's group id is ``g<n>``; it is issued, then either consumed by
+exactly one learner step or dropped with a logged reason, never both and never
+twice (the ledger enforces it, and a late duplicate from a presumed-dead actor is
+refused).
+
+Staleness, ARCHITECTURE.md: a group trains step s only if the oldest policy
+version among its turns is >= s - max_staleness. The buffer makes this hold by
+construction instead of by dropping: a slot of step s is issued only once the
+learner has published version >= s - max_staleness, and the actor must sync to at
+least that version before generating (``Work.min_version``). A rollout actor that
+runs ahead therefore *waits* in ``acquire``; with max_staleness 0 this is exactly
+synchronous GRPO (rollouts of step s start after version s exists). A group that
+still arrives too stale (it cannot with the rules above, but a bug or a manual
+weight reload could cause it) is dropped with reason ``stale``.
+
+Learner steps take the slots of their step as a set, in any completion order.
+A step waits until each of its slots is ready or dropped, which is what keeps the
+staleness bound exact without dropping: a slow group is waited for, not skipped.
+
+Checkpointing: ``state()`` is a plain dict (cursor, ledger, ready groups, slots in
+flight); ``from_state`` rebuilds the buffer with every slot that was in flight put
+back for re-issue (the actors that held them are gone), so nothing is lost and no
+slot runs twice into training.
+
+The class is plain Python with asyncio; ``ray.remote(TrajectoryBuffer)`` makes it
+an async actor (all methods run on one event loop, so no locks are needed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter, deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+
+@dataclass
+class Work:
+    """One group slot handed to a rollout actor."""
+
+    slot: int
+    group_id: str
+    question_index: int
+    step: int           # the learner step that will consume it
+    min_version: int    # the actor must generate with weights of at least this version
+    seed: int           # sampling seed of the group (sample i uses seed + i)
+    attempt: int = 0    # how many times this slot was issued before (re-issue after a dead actor)
+
+
+@dataclass
+class _Slot:
+    work: Work
+    state: str = "issued"          # issued | ready | consumed | dropped
+    actor: str = ""
+    reason: str = ""
+    group: list[Any] = field(default_factory=list)
+    staleness: int = 0
+
+
+class TrajectoryBuffer:
+    """Issue/admit/consume ledger of group slots with the staleness gate (see the module docstring)."""
+
+    def __init__(self, n_questions: int, groups_per_step: int, total_steps: int, max_staleness: int = 1,
+                 seed: int = 0, max_attempts: int = 3) -> None:
+        if n_questions < 1 or groups_per_step < 1:
+            raise ValueError("the buffer needs >= 1 question and >= 1 group per step")
+        self.n_questions, self.gps, self.total_steps = n_questions, groups_per_step, total_steps
+        self.max_staleness, self.seed, self.max_attempts = max_staleness, seed, max_attempts
+        self.version = 0            # latest policy version the learner published
+        self.next_slot = 0          # the data cursor: next never-issued slot
+        self.slots: dict[int, _Slot] = {}
+        self.reissue: deque[int] = deque()   # slots whose actor died, issued again first
+        self.log: list[str] = []             # drops and re-issues, human-readable, checkpointed
+        self.taken: dict[int, list[list[Any]]] = {}  # step -> groups (idempotent take for all learner ranks)
+        self._cond: asyncio.Condition | None = None
+
+    # -- data cursor -------------------------------------------------------
+
+    def question_of(self, slot: int) -> int:
+        """order[slot]: epoch e is a permutation seeded by (seed, e), so the cursor is one integer."""
+        epoch, i = divmod(slot, self.n_questions)
+        perm = np.random.default_rng([self.seed, epoch]).permutation(self.n_questions)
+        return int(perm[i])
+
+    def _work(self, slot: int, attempt: int = 0) -> Work:
+        step = slot // self.gps
+        return Work(slot=slot, group_id=f"g{slot}", question_index=self.question_of(slot), step=step,
+                    min_version=max(0, step - self.max_staleness),
+                    seed=int(np.random.default_rng([self.seed, slot, 7]).integers(2**31)), attempt=attempt)
+
+    @property
+    def cond(self) -> asyncio.Condition:
+        if self._cond is None:
+            self._cond = asyncio.Condition()
+        return self._cond
+
+    def _issuable(self, slot: int) -> bool:
+        return slot // self.gps <= self.version + self.max_staleness
+
+    # -- rollout side --------------------------------------------------------
+
+    async def acquire(self, actor: str, timeout: float | None = None) -> Work | None:
+        """The next slot this actor should generate, waiting while it would run ahead of the staleness bound.
+
+        Returns None when every slot of the run is issued (the actor may stop), or on timeout.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        async with self.cond:
+            while True:
+                if self.reissue:
+                    slot = self.reissue.popleft()
+                    s = self.slots[slot]
+                    s.work = self._work(slot, s.work.attempt + 1)
+                    s.state, s.actor = "issued", actor
+                    return s.work
+                if self.next_slot >= self.total_steps * self.gps:
+                    return None
+                if self._issuable(self.next_slot):
+                    w = self._work(self.next_slot)
+                    self.slots[w.slot] = _Slot(work=w, actor=actor)
+                    self.next_slot += 1
+                    return w
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return None
+                try:
+                    await asyncio.wait_for(self.cond.wait(), left)
+                except TimeoutError:
+                    return None
+
+    async def put(self, actor: str, slot: int, attempt: int, group: list[Any]) -> str:
+        """Admit a finished group; returns "ready" or the reason it was refused/dropped.
+
+        ``group`` holds Trajectory records (anything with ``turns[*].policy_version`` and
+        ``judge_status``).
+        """
+        async with self.cond:
+            s = self.slots.get(slot)
+            if s is None or s.state != "issued" or s.actor != actor or s.work.attempt != attempt:
+                self.log.append(f"refused g{slot} from {actor} attempt {attempt}: not in flight there (duplicate)")
+                return "duplicate"
+            versions = [t.policy_version for tr in group for t in tr.turns if t.policy_version >= 0]
+            oldest = min(versions) if versions else s.work.min_version
+            s.staleness = s.work.step - oldest
+            if s.staleness > self.max_staleness:
+                self._drop(s, f"stale: oldest turn version {oldest} for step {s.work.step}")
+            elif any(getattr(tr, "judge_status", "ok") == "failed" for tr in group):
+                self._drop(s, "judge_failed: the answer judge was unreachable for a sample of the group")
+            elif not group:
+                self._drop(s, "empty group")
+            else:
+                s.state, s.group = "ready", list(group)
+            self.cond.notify_all()
+            return s.state if s.state == "ready" else s.reason.split(":")[0]
+
+    async def release_actor(self, actor: str, reason: str) -> list[int]:
+        """A rollout actor died: its slots in flight go back for re-issue (or are dropped after max_attempts)."""
+        async with self.cond:
+            out = []
+            for slot, s in sorted(self.slots.items()):
+                if s.state == "issued" and s.actor == actor:
+                    if s.work.attempt + 1 >= self.max_attempts:
+                        self._drop(s, f"attempts: {self.max_attempts} actors died holding it ({reason})")
+                    else:
+                        s.actor = ""
+                        self.reissue.append(slot)
+                        self.log.append(f"reissue g{slot} (attempt {s.work.attempt + 1}): {reason}")
+                        out.append(slot)
+            self.cond.notify_all()
+            return out
+
+    def _drop(self, s: _Slot, reason: str) -> None:
+        s.state, s.reason, s.group = "dropped", reason, []
+        self.log.append(f"dropped g{s.work.slot}: {reason}")
+
+    # -- learner side --------------------------------------------------------
+
+    async def take(self, step: int, timeout: float | None = None) -> list[list[Any]] | None:
+        """The ready groups of ``step`` (dropped slots left out), once all its slots are resolved.
+
+        Idempotent per step so every learner rank gets the same groups. None on timeout.
+        """
+        if step in self.taken:
+            return self.taken[step]
+        lo, hi = step * self.gps, (step + 1) * self.gps
+        deadline = None if timeout is None else time.monotonic() + timeout
+        async with self.cond:
+            while not all(n in self.slots and self.slots[n].state in ("ready", "dropped") for n in range(lo, hi)):
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return None
+                try:
+                    await asyncio.wait_for(self.cond.wait(), left)
+                except TimeoutError:
+                    return None
+            groups = []
+            for n in range(lo, hi):
+                s = self.slots[n]
+                if s.state == "ready":
+                    groups.append(s.group)
+                    s.state, s.group = "consumed", []
+            self.taken = {step: groups}  # only the current step is kept: memory stays bounded
+            return groups
+
+    async def advance(self, version: int) -> None:
+        """The learner published ``version``: slots up to step version + max_staleness become issuable."""
+        async with self.cond:
+            self.version = max(self.version, version)
+            self.cond.notify_all()
+
+    # -- accounting and checkpoints -------------------------------------------
+
+    def stats(self) -> dict[str, Any]:
+        states = Counter(s.state for s in self.slots.values())
+        stale = Counter(s.staleness for s in self.slots.values() if s.state in ("ready", "consumed"))
+        return {"version": self.version, "issued_total": self.next_slot, "ready": states["ready"],
+                "in_flight": states["issued"], "consumed": states["consumed"], "dropped": states["dropped"],
+                "reissue_queue": len(self.reissue), "staleness": dict(sorted(stale.items()))}
+
+    def ledger(self) -> dict[str, dict[str, Any]]:
+        """Every issued group id with its state, owner, attempts and drop reason (the exactly-once audit)."""
+        return {s.work.group_id: {"state": s.state, "actor": s.actor, "attempt": s.work.attempt,
+                                  "reason": s.reason, "step": s.work.step}
+                for s in self.slots.values()}
+
+    def events(self) -> list[str]:
+        return list(self.log)
+
+    def state(self) -> dict[str, Any]:
+        """Everything needed to resume; slots in flight are recorded as such and re-issued by ``from_state``."""
+        return {"n_questions": self.n_questions, "gps": self.gps, "total_steps": self.total_steps,
+                "max_staleness": self.max_staleness, "seed": self.seed, "max_attempts": self.max_attempts,
+                "version": self.version, "next_slot": self.next_slot, "log": list(self.log),
+                "slots": {n: {"work": s.work, "state": s.state, "actor": s.actor, "reason": s.reason,
+                              "group": s.group, "staleness": s.staleness} for n, s in self.slots.items()}}
+
+    @classmethod
+    def from_state(cls, st: dict[str, Any], total_steps: int | None = None) -> TrajectoryBuffer:
+        b = cls(st["n_questions"], st["gps"], total_steps or st["total_steps"], st["max_staleness"], st["seed"],
+                st["max_attempts"])
+        b.version, b.next_slot, b.log = st["version"], st["next_slot"], list(st["log"])
+        for n, d in sorted(st["slots"].items()):
+            s = _Slot(work=d["work"], state=d["state"], actor=d["actor"], reason=d["reason"], group=d["group"],
+                      staleness=d["staleness"])
+            b.slots[n] = s
+            if s.state == "issued":
+                s.actor = ""
+                b.reissue.append(n)
+                b.log.append(f"reissue g{n} (attempt {s.work.attempt + 1}): resumed from a checkpoint")
+        return b

@@ -1,0 +1,120 @@
+"""The trajectory buffer's rules: staleness gate (actors wait, never drop), exactly-once ledger, re-issue,
+judge-failure policy and checkpoint round trip. Plain asyncio on the buffer class (the Ray actor is the same
+class; the fault test in test_grpo_faults.py drives it through Ray)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from osvl.agent.trajectory import Trajectory, Turn
+from osvl.rl.buffer import TrajectoryBuffer
+
+
+def _group(work, version: int, n: int = 2, judge: str = "ok") -> list[Trajectory]:
+    return [Trajectory(id=f"{work.group_id}-{i}", question_id=str(work.question_index), group_id=work.group_id,
+                       kind="policy", question="q", answer="a", answer_aliases=[], input_ids=[1, 2], gen_mask=[0, 1],
+                       logprobs=[0.0, -1.0], step_ids=[-1, 0], images=[], image_max_pixels=[], processor={},
+                       turns=[Turn(index=0, text="t", action="response", policy_version=version)], judge_status=judge)
+            for i in range(n)]
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def test_synchronous_gate_waits_for_the_new_version():
+    async def go():
+        b = TrajectoryBuffer(n_questions=5, groups_per_step=2, total_steps=3, max_staleness=0)
+        w0, w1 = await b.acquire("a"), await b.acquire("a")
+        assert (w0.step, w1.step, w0.min_version) == (0, 0, 0)
+        assert await b.acquire("a", timeout=0.05) is None  # step 1 needs version 1: the actor waits
+        waiter = asyncio.create_task(b.acquire("a"))
+        await asyncio.sleep(0.01)
+        assert not waiter.done()
+        for w in (w0, w1):
+            assert await b.put("a", w.slot, w.attempt, _group(w, 0)) == "ready"
+        groups = await b.take(0)
+        assert len(groups) == 2 and await b.take(0) is groups  # idempotent for every learner rank
+        await b.advance(1)
+        w2 = await asyncio.wait_for(waiter, 1)
+        assert (w2.slot, w2.step, w2.min_version) == (2, 1, 1)
+        return b
+
+    b = run(go())
+    assert b.stats()["consumed"] == 2 and b.stats()["staleness"] == {0: 2}
+
+
+def test_staleness_two_lets_actors_run_two_steps_ahead():
+    async def go():
+        b = TrajectoryBuffer(n_questions=4, groups_per_step=1, total_steps=10, max_staleness=2)
+        ws = [await b.acquire("a", timeout=0.05) for _ in range(4)]
+        assert [w.step if w else None for w in ws] == [0, 1, 2, None]
+        assert [w.min_version for w in ws[:3]] == [0, 0, 0]
+        # a group that is staler than allowed is dropped with a reason, never trained
+        assert await b.put("a", ws[2].slot, 0, _group(ws[2], 0)) == "ready"
+        b.version = 1
+        late = await b.acquire("a")
+        assert late.step == 3 and late.min_version == 1
+        assert await b.put("a", late.slot, 0, _group(late, 0)) == "stale"
+        return b
+
+    b = run(go())
+    assert b.ledger()["g3"]["state"] == "dropped" and b.ledger()["g3"]["reason"].startswith("stale")
+
+
+def test_exactly_once_reissue_duplicates_and_judge_failures():
+    async def go():
+        b = TrajectoryBuffer(n_questions=3, groups_per_step=3, total_steps=1, max_staleness=0, max_attempts=2)
+        wa = await b.acquire("dead")
+        wb = await b.acquire("dead")
+        wc = await b.acquire("alive")
+        assert await b.release_actor("dead", "actor died") == [wa.slot, wb.slot]
+        r1 = await b.acquire("alive")
+        assert (r1.slot, r1.attempt, r1.question_index) == (wa.slot, 1, wa.question_index)
+        r2 = await b.acquire("alive")
+        # the dead actor's late answer is refused: the slot now belongs to the new attempt
+        assert await b.put("dead", wa.slot, 0, _group(wa, 0)) == "duplicate"
+        assert await b.put("alive", r1.slot, 1, _group(r1, 0)) == "ready"
+        assert await b.put("alive", r1.slot, 1, _group(r1, 0)) == "duplicate"
+        assert await b.put("alive", wc.slot, 0, _group(wc, 0, judge="failed")) == "judge_failed"
+        await b.release_actor("alive", "actor died again")  # r2 reaches max_attempts: dropped with a reason
+        assert await b.acquire("x", timeout=0.05) is None
+        groups = await b.take(0, timeout=1)
+        return b, groups, r2
+
+    b, groups, r2 = run(go())
+    assert len(groups) == 1
+    ledger = b.ledger()
+    assert {g: v["state"] for g, v in ledger.items()} == {"g0": "consumed", "g1": "dropped", "g2": "dropped"}
+    assert ledger["g2"]["reason"].startswith("judge_failed") and ledger["g1"]["reason"].startswith("attempts")
+    assert sum("reissue" in e for e in b.events()) == 2
+
+
+def test_state_round_trip_reissues_what_was_in_flight():
+    async def go():
+        b = TrajectoryBuffer(n_questions=7, groups_per_step=2, total_steps=4, max_staleness=1, seed=3)
+        ws = [await b.acquire("a") for _ in range(4)]
+        await b.put("a", ws[0].slot, 0, _group(ws[0], 0))
+        await b.put("a", ws[1].slot, 0, _group(ws[1], 0))
+        await b.take(0)
+        await b.put("a", ws[3].slot, 0, _group(ws[3], 0))
+        st = b.state()
+        r = TrajectoryBuffer.from_state(st)
+        assert r.next_slot == 4 and r.version == 0
+        again = await r.acquire("b")
+        assert (again.slot, again.question_index, again.attempt) == (2, ws[2].question_index, 1)
+        await r.put("b", again.slot, again.attempt, _group(again, 0))
+        return b, r, await r.take(1)
+
+    b, r, groups = run(go())
+    assert sorted(g[0].group_id for g in groups) == ["g2", "g3"]
+    assert [b.question_of(n) for n in range(14)] == [r.question_of(n) for n in range(14)]
+    assert sorted(b.question_of(n) for n in range(7)) == list(range(7))  # one epoch visits each question once
+
+
+@pytest.mark.parametrize("bad", [dict(n_questions=0, groups_per_step=1), dict(n_questions=1, groups_per_step=0)])
+def test_bad_sizes(bad):
+    with pytest.raises(ValueError):
+        TrajectoryBuffer(total_steps=1, **bad)
