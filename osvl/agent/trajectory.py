@@ -310,6 +310,16 @@ def processor_inputs(images: Sequence[np.ndarray], max_pixels: Sequence[int], pr
     return {"pixel_values": torch.cat(pix).to(torch.float32), "image_grid_thw": torch.cat(grids)}
 
 
+def mm_token_type_ids(input_ids: Any, image_token_id: int) -> Any:
+    """1 on image pads, 0 elsewhere: the modality map Qwen-VL models in transformers 5 need for M-RoPE.
+
+    Pass it to every forward and ``generate`` that carries images. Without it ``forward``
+    raises, but ``generate`` silently falls back to 1-D text positions, so the engine and a
+    training forward would disagree about every token after the first image.
+    """
+    return (input_ids == image_token_id).to(input_ids.dtype)
+
+
 def image_token_count(arr: np.ndarray, max_pixels: int, processor: Any) -> int:
     """How many ``<|image_pad|>`` tokens ``arr`` expands to under ``max_pixels`` (no pixels computed)."""
     ip = _image_processor(processor)
