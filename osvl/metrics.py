@@ -80,6 +80,23 @@ TOOL_BATCH_SIZE = _define(
     ("tool",), (1, 2, 4, 8, 16, 32, 64))
 
 # ---------------------------------------------------------------------------
+# training (osvl/train: SFT, and the GRPO learner with job="grpo"); rank 0 records them
+
+TRAIN_LOSS = _define(
+    "osvl_train_loss", "gauge",
+    "Training loss of the last optimizer step (SFT: token-mean NLL over generated tokens).", ("job",))
+TRAIN_VAL_LOSS = _define(
+    "osvl_train_val_loss", "gauge",
+    "Validation loss on held-out trajectories (token-mean NLL over generated tokens).", ("job",))
+TRAIN_TOKENS_PER_S = _define(
+    "osvl_train_tokens_per_second", "gauge",
+    "Training throughput over all workers, in tokens (padding excluded) per second.", ("job",))
+TRAIN_LR = _define(
+    "osvl_train_learning_rate", "gauge", "Learning rate of the last optimizer step.", ("job",))
+TRAIN_GRAD_NORM = _define(
+    "osvl_train_grad_norm", "gauge", "Global gradient norm of the last optimizer step, before clipping.", ("job",))
+
+# ---------------------------------------------------------------------------
 
 _objects: dict[str, Any] = {}
 

@@ -1,0 +1,149 @@
+"""DeepSpeed under Ray Train: ZeRO configs, the engine set-up, checkpoints, the trainer.
+
+SFT (``osvl/train/sft.py``) and the GRPO learner share every function here, so both train the
+same way on a laptop (gloo, fp32, a handful of CPU cores) and on a GPU cluster (NCCL, bf16).
+
+Choices and why:
+
+* **A torch optimizer, not DeepSpeed's.** ``DeepSpeedCPUAdam``/``FusedAdam`` are C++/CUDA ops
+  compiled on first use (minutes); ``torch.optim.AdamW`` needs nothing, so it is passed in with
+  ``zero_allow_untested_optimizer: true``. ZeRO still partitions its moments (stage >= 1).
+* **fp32 on CPU, bf16 on GPU.** CPU bf16 autocast is faster on some CPUs, but exact-resume and
+  ZeRO-2 == ZeRO-3 checks need fp32, and fp32 is what a laptop run should default to.
+* **gloo on CPU, NCCL on GPU.** Ray Train's ``TorchConfig`` creates the process group; DeepSpeed
+  then finds it initialised and uses it (its CPU accelerator reports ``gloo``; the shared-memory
+  all-reduce op it JIT-compiles is built once by ``make setup``).
+* **Checkpoints through Ray Train.** Every rank writes its DeepSpeed shard files (distinct names
+  per rank) and rank 0 the Hugging Face directory into one local folder each; ``ray.train.report``
+  merges them into one checkpoint in the run's storage and keeps the last N, and a rerun of the
+  same command (same storage path and name) or a restarted worker group gets it back from
+  ``ray.train.get_checkpoint()``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+CHECKPOINT_TAG = "ds"  # one DeepSpeed tag per Ray checkpoint folder: the folder itself is the step
+HF_SUBDIR = "hf"
+
+
+def ds_config(stage: int, *, micro_batch: int, grad_accum: int, world_size: int, grad_clip: float = 1.0,
+              bf16: bool = False) -> dict[str, Any]:
+    """A DeepSpeed config for ZeRO ``stage`` (2 or 3) with an external torch optimizer and scheduler.
+
+    ``train_batch_size`` is spelled out (micro x accumulation x world) because DeepSpeed checks
+    the three against each other. ZeRO-3 gathers the 16-bit (here: the training dtype) weights on
+    save so that ``hf_state_dict`` can write a loadable Hugging Face directory.
+    """
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"ZeRO stage must be 0..3, got {stage}")
+    zero: dict[str, Any] = {"stage": stage}
+    if stage == 3:
+        zero.update(stage3_gather_16bit_weights_on_model_save=True,
+                    # small models: never keep a parameter persistent just because it is small,
+                    # so the stage-3 path (gather before use, release after) is really exercised
+                    stage3_param_persistence_threshold=0)
+    if stage >= 2:
+        zero.update(overlap_comm=False, contiguous_gradients=True)
+    return {
+        "train_batch_size": micro_batch * grad_accum * world_size,
+        "train_micro_batch_size_per_gpu": micro_batch,
+        "gradient_accumulation_steps": grad_accum,
+        "gradient_clipping": grad_clip,
+        "zero_optimization": zero,
+        "zero_allow_untested_optimizer": True,
+        "bf16": {"enabled": bf16},
+        "steps_per_print": 1 << 30,  # the job prints its own progress line
+        "wall_clock_breakdown": False,
+    }
+
+
+def init_engine(model, optimizer, lr_scheduler, config: dict[str, Any]):
+    """``deepspeed.initialize`` inside a Ray Train worker (the process group already exists)."""
+    import deepspeed
+    import torch.distributed as dist
+
+    if not dist.is_initialized():  # outside Ray Train (a plain script): one process
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.setdefault("RANK", "0")
+        os.environ.setdefault("WORLD_SIZE", "1")
+        os.environ.setdefault("LOCAL_RANK", "0")
+    deepspeed.init_distributed(dist_backend=dist.get_backend() if dist.is_initialized() else None)
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=lr_scheduler,
+                                           config=config)
+    return engine
+
+
+def _free_port() -> int:
+    from osvl.cluster import free_port
+
+    return free_port()
+
+
+def hf_state_dict(engine) -> dict | None:
+    """The full model state dict on rank 0 (``None`` elsewhere); a collective under ZeRO-3."""
+    import torch.distributed as dist
+
+    if engine.zero_optimization_partition_weights():
+        return engine._zero3_consolidated_16bit_state_dict()
+    if dist.get_rank() != 0:
+        return None
+    return {k: v.detach().cpu().clone() for k, v in engine.module.state_dict().items()}
+
+
+def save_hf(engine, out: Path, processor=None) -> None:
+    """Write a Hugging Face directory (config, safetensors, processor) that ``osvl.models.load`` loads."""
+    import torch.distributed as dist
+
+    state = hf_state_dict(engine)
+    if dist.get_rank() != 0:
+        return
+    out.mkdir(parents=True, exist_ok=True)
+    engine.module.save_pretrained(out, state_dict=state, safe_serialization=True)
+    if processor is not None:
+        processor.save_pretrained(out)
+        processor.image_processor.save_pretrained(out)
+
+
+def save_checkpoint(engine, folder: Path, client_state: dict, processor=None) -> None:
+    """DeepSpeed state (every rank's shard) + the HF directory (rank 0) into ``folder``."""
+    engine.save_checkpoint(str(folder), tag=CHECKPOINT_TAG, client_state=client_state)
+    save_hf(engine, folder / HF_SUBDIR, processor)
+
+
+def load_checkpoint(engine, folder: Path) -> dict:
+    """Restore model, optimizer and scheduler state; returns the ``client_state`` saved with it."""
+    _, client = engine.load_checkpoint(str(folder), tag=CHECKPOINT_TAG, load_optimizer_states=True,
+                                       load_lr_scheduler_states=True)
+    if client is None:
+        raise FileNotFoundError(f"no DeepSpeed checkpoint under {folder}")
+    return client
+
+
+def make_trainer(train_fn: Callable[[dict], None], loop_config: dict, *, num_workers: int,
+                 threads_per_worker: int, use_gpu: bool, storage: Path | str, name: str,
+                 keep: int, max_failures: int):
+    """A ``TorchTrainer`` running ``train_fn`` on ``num_workers`` workers (gloo on CPU, NCCL on GPU).
+
+    Each worker reserves ``threads_per_worker`` CPUs; the loop should ``torch.set_num_threads``
+    to the same number so that workers do not oversubscribe the cores. Rerunning with the same
+    ``storage`` and ``name`` resumes from the latest of the ``keep`` checkpoints.
+    """
+    import ray.train
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    return TorchTrainer(
+        train_fn,
+        train_loop_config=loop_config,
+        torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),
+        scaling_config=ray.train.ScalingConfig(num_workers=num_workers, use_gpu=use_gpu,
+                                               resources_per_worker={"CPU": threads_per_worker}),
+        run_config=ray.train.RunConfig(name=name, storage_path=str(storage),
+                                       checkpoint_config=ray.train.CheckpointConfig(num_to_keep=keep),
+                                       failure_config=ray.train.FailureConfig(max_failures=max_failures)),
+    )
