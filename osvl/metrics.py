@@ -97,6 +97,43 @@ TRAIN_GRAD_NORM = _define(
     "osvl_train_grad_norm", "gauge", "Global gradient norm of the last optimizer step, before clipping.", ("job",))
 
 # ---------------------------------------------------------------------------
+# GRPO (osvl/rl): the learner's rank 0 records these once per step, from the step's groups
+
+RL_REWARD = _define(
+    "osvl_rl_reward", "gauge",
+    "Mean reward part over the trajectories of the last step (part: reward, r_fmt, r_acc, r_query).", ("part",))
+RL_ACCURACY = _define(
+    "osvl_rl_accuracy_ratio", "gauge", "Share of the last step's trajectories with r_acc = 1.")
+RL_FATAL_RATE = _define(
+    "osvl_rl_fatal_ratio", "gauge", "Share of the last step's trajectories that hit K consecutive failures.")
+RL_CLAMPED = _define(
+    "osvl_rl_fatal_trajectories", "counter",
+    "Fatal trajectories by what the one-sided clamp did (split: clamped to 0, kept_positive).", ("split",))
+RL_MASK_COVERAGE = _define(
+    "osvl_rl_mask_coverage_ratio", "gauge", "Share of generated tokens of the last step that received gradient.")
+RL_STALENESS = _define(
+    "osvl_rl_staleness_groups", "gauge",
+    "Groups trained so far by staleness (learner step minus the oldest turn's policy version).", ("staleness",))
+RL_KL = _define(
+    "osvl_rl_kl", "gauge", "Mean k3 KL of the policy to the frozen reference on trained tokens (last step).")
+RL_CLIP_FRACTION = _define(
+    "osvl_rl_clip_fraction_ratio", "gauge", "Share of trained tokens whose importance ratio was clipped.")
+RL_ENTROPY = _define(
+    "osvl_rl_entropy_nats", "gauge", "Mean next-token entropy on trained tokens (last step), in nats.")
+RL_TOKENS_PER_S = _define(
+    "osvl_rl_learner_tokens_per_second", "gauge", "Learner throughput of the last step, generated tokens per second.")
+RL_STEP_TIME = _define(
+    "osvl_rl_step_seconds", "histogram", "Wall time of one learner update (forward, backward, optimizer), seconds.",
+    (), (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0))
+RL_WEIGHT_SYNC = _define(
+    "osvl_rl_weight_sync_seconds", "histogram", "Time to publish one weights version to the object store, seconds.",
+    (), (0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0))
+RL_BUFFER_DEPTH = _define(
+    "osvl_rl_buffer_depth_groups", "gauge", "Finished groups waiting in the trajectory buffer.")
+RL_SKIPPED = _define(
+    "osvl_rl_skipped_steps", "counter", "Learner steps skipped because the loss or a gradient was not finite.")
+
+# ---------------------------------------------------------------------------
 
 _objects: dict[str, Any] = {}
 

@@ -244,15 +244,24 @@ class TrajectoryBuffer:
 
     @classmethod
     def from_state(cls, st: dict[str, Any], total_steps: int | None = None) -> TrajectoryBuffer:
-        b = cls(st["n_questions"], st["gps"], total_steps or st["total_steps"], st["max_staleness"], st["seed"],
-                st["max_attempts"])
-        b.version, b.next_slot, b.log = st["version"], st["next_slot"], list(st["log"])
+        b = cls(st["n_questions"], st["gps"], st["total_steps"], st["max_staleness"], st["seed"], st["max_attempts"])
+        b.load_state(st, total_steps)
+        return b
+
+    def load_state(self, st: dict[str, Any], total_steps: int | None = None) -> None:
+        """Replace this buffer's state with a checkpoint's (the launcher calls it on the fresh actor)."""
+        for key in ("n_questions", "gps", "max_staleness", "seed"):
+            mine = {"gps": self.gps}.get(key, getattr(self, key, None))
+            if mine != st[key]:
+                raise ValueError(f"checkpoint buffer has {key}={st[key]}, this run {mine}: resume needs the same")
+        self.total_steps = total_steps or st["total_steps"]
+        self.version, self.next_slot, self.log = st["version"], st["next_slot"], list(st["log"])
+        self.slots, self.reissue, self.taken = {}, deque(), {}
         for n, d in sorted(st["slots"].items()):
             s = _Slot(work=d["work"], state=d["state"], actor=d["actor"], reason=d["reason"], group=d["group"],
                       staleness=d["staleness"])
-            b.slots[n] = s
+            self.slots[n] = s
             if s.state == "issued":
                 s.actor = ""
-                b.reissue.append(n)
-                b.log.append(f"reissue g{n} (attempt {s.work.attempt + 1}): resumed from a checkpoint")
-        return b
+                self.reissue.append(n)
+                self.log.append(f"reissue g{n} (attempt {s.work.attempt + 1}): resumed from a checkpoint")

@@ -21,6 +21,7 @@ import math
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -121,11 +122,24 @@ def check_bounds(cfg: RLConfig, kl: float, entropy: float, step: int) -> None:
                                f"{cfg.entropy_max}; the policy is diverging")
 
 
-def _finite_grads(params: Sequence[torch.nn.Parameter]) -> bool:
-    for p in params:
-        if p.grad is not None and not torch.isfinite(p.grad).all():
-            return False
-    return True
+def _all_ranks(ok: bool) -> bool:
+    """``ok`` on every rank (a skip must be unanimous, or the ranks' collectives would deadlock)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return ok
+    t = torch.tensor([0 if ok else 1], dtype=torch.int32)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t) == 0
+
+
+def _overflow(engine: Any, params: Sequence[torch.nn.Parameter]) -> bool:
+    """Non-finite gradients after ``engine.backward``: ZeRO keeps them in its partitions (its own
+    all-reduced check); without ZeRO they are on the parameters."""
+    check = getattr(engine.optimizer, "has_overflow", None)
+    if check is not None:
+        return bool(check())
+    return not _all_ranks(all(p.grad is None or bool(torch.isfinite(p.grad).all()) for p in params))
 
 
 def forward_logprobs(model: torch.nn.Module, batch: Mapping[str, torch.Tensor],
@@ -135,11 +149,9 @@ def forward_logprobs(model: torch.nn.Module, batch: Mapping[str, torch.Tensor],
     The same computation as ``osvl.train.batch.token_logprobs`` but also returning the
     logits, which the entropy guard needs without a second forward pass.
     """
-    kw: dict[str, Any] = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
-    if batch.get("pixel_values") is not None and batch["pixel_values"].numel() > 0:
-        kw["pixel_values"] = batch["pixel_values"]
-        kw["image_grid_thw"] = batch["image_grid_thw"]
-    logits = model(**kw).logits[:, :-1].float() / temperature
+    from osvl.train.batch import model_inputs
+
+    logits = model(**model_inputs(batch), use_cache=False).logits[:, :-1].float() / temperature
     lp = torch.log_softmax(logits, dim=-1).gather(-1, batch["input_ids"][:, 1:].unsqueeze(-1)).squeeze(-1)
     return torch.nn.functional.pad(lp, (1, 0)), logits
 
@@ -191,17 +203,17 @@ class Learner:
         sl = grpo_loss(logp, batch, self.cfg, ref_logp)
         entropy = token_entropy(logits, sl.mask[:, 1:])
         loss = sl.out.loss
-        finite = bool(torch.isfinite(loss))
+        finite = _all_ranks(bool(torch.isfinite(loss)))
         grad_norm = float("nan")
         if self.engine is not None:
             if finite:
                 self.engine.backward(loss)
-                finite = _finite_grads(self.params)
+                finite = not _overflow(self.engine, self.params)
             if finite:
                 self.engine.step()
                 grad_norm = float(self.engine.get_global_grad_norm() or 0.0)
             else:
-                self.engine.zero_grad() if hasattr(self.engine, "zero_grad") else self.model.zero_grad(set_to_none=True)
+                self.engine.optimizer.zero_grad()
         else:
             self.optimizer.zero_grad(set_to_none=True)
             if finite:
@@ -224,3 +236,165 @@ class Learner:
                           mask_coverage=float(sl.out.mask_coverage), entropy=entropy, grad_norm=grad_norm,
                           clamped=sl.clamped, kept_positive=sl.kept_positive, n_fatal=sl.n_fatal,
                           tokens=int(batch["gen_mask"].sum()), seconds=time.perf_counter() - t0)
+
+
+# ---------------------------------------------------------------------------
+# batches and the Ray Train worker loop
+
+
+def rl_batch(groups: Sequence[Sequence[Any]], image_dir: str, processor: Any, cfg: RLConfig) -> dict[str, torch.Tensor]:
+    """Collate scored groups of ``Trajectory`` records and add the per-row GRPO fields.
+
+    Rows that collate drops (longer than ``max_len`` under the ``drop`` policy) leave
+    their group, so the group statistics use the rows that are actually trained.
+    """
+    from osvl.train.batch import collate
+
+    keep: list[Any] = []
+    group_ix: list[int] = []
+    for g, trajs in enumerate(groups):
+        for tr in trajs:
+            if len(tr.input_ids) <= cfg.max_len or cfg.truncation != "drop":
+                keep.append(tr)
+                group_ix.append(g)
+    batch = collate(keep, image_dir, processor, cfg.max_len, cfg.truncation)
+    batch["reward"] = torch.tensor([tr.reward for tr in keep], dtype=torch.float32)
+    batch["group"] = torch.tensor(group_ix, dtype=torch.long)
+    batch["fatal"] = torch.tensor([tr.fatal_kth >= 0 for tr in keep], dtype=torch.bool)
+    batch["mask_start"] = mask_starts([tr.fatal_cascade_start for tr in keep], [tr.fatal_kth for tr in keep],
+                                      cfg.mask_at)
+    return batch
+
+
+def train_loop(config: dict[str, Any]) -> None:
+    """The Ray Train worker function: take a step's groups, update, publish, checkpoint; repeat.
+
+    ``config`` (from the launcher, ``osvl/rl/trainer.py``): ``rl`` (RLConfig), ``model_dir``,
+    ``image_dir``, ``buffer`` and ``store`` (actor handles), ``steps`` (total), ``resume``
+    (checkpoint folder or ""), ``ckpt_root``, ``ckpt_every``, ``zero_stage``, ``threads``,
+    ``log_path`` (per-step JSONL), ``weights_every``.
+    Every rank trains on its share of the step's groups (whole groups: the advantages
+    are per group); DeepSpeed averages the gradients.
+    """
+    import json
+
+    import ray
+    import torch.distributed as dist
+
+    from osvl.models.load import load_model, load_processor
+    from osvl.rl import checkpoint as ckpt
+    from osvl.rl.weights import publish
+    from osvl.train.deepspeed import ds_config, hf_state_dict, init_engine
+
+    cfg: RLConfig = config["rl"]
+    torch.set_num_threads(config["threads"])
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    torch.manual_seed(config["seed"] + rank)
+    model = load_model(config["model_dir"], dtype="float32")
+    processor = load_processor(config["model_dir"])
+    ref = None
+    if cfg.beta > 0:
+        ref = load_model(config["model_dir"], dtype="float32").eval()
+        for p in ref.parameters():
+            p.requires_grad_(False)
+    opt_ = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr,
+                             weight_decay=cfg.weight_decay)
+    engine = init_engine(model, opt_, None, ds_config(config["zero_stage"], micro_batch=1, grad_accum=1,
+                                                      world_size=world, grad_clip=cfg.grad_clip))
+    learner = Learner(engine.module, cfg, engine=engine, ref_model=ref)
+    buffer, store = config["buffer"], config["store"]
+    if config["resume"]:
+        client = ckpt.load_learner(engine, Path(config["resume"]))
+        learner.step_count, learner.skipped = client["step"], client["skipped"]
+        ckpt.restore_rng(client["rng"][rank] if rank < len(client["rng"]) else client["rng"][0])
+        if rank == 0:
+            ckpt.write_probe(engine, Path(config["ckpt_root"]) / "resume_probe.json", client["version"])
+
+    def push(version: int) -> float:
+        state = hf_state_dict(engine)  # a collective under ZeRO-3: every rank calls it
+        secs = publish(store, state, version) if rank == 0 else 0.0
+        if rank == 0:
+            ray.get(buffer.advance.remote(version))
+        return secs
+
+    sync_s = push(learner.step_count)
+    log = open(config["log_path"], "a") if rank == 0 else None  # noqa: SIM115 - closed below
+    try:
+        while learner.step_count + learner.skipped < config["steps"]:
+            step = learner.step_count + learner.skipped
+            t_wait = time.perf_counter()
+            groups = ray.get(buffer.take.remote(step))
+            wait_s = time.perf_counter() - t_wait
+            mine = groups[rank::world]
+            if mine:
+                batch = rl_batch(mine, config["image_dir"], processor, cfg)
+                res = learner.step(batch)
+            else:  # every group of the step dropped: nothing to learn from, the step still counts
+                learner.skipped += 1
+                res = None
+            if (step + 1) % config["weights_every"] == 0 or step + 1 == config["steps"]:
+                sync_s = push(learner.step_count + learner.skipped)
+            if (step + 1) % config["ckpt_every"] == 0 or step + 1 == config["steps"]:
+                if world > 1:
+                    dist.barrier()
+                ckpt.save(engine, Path(config["ckpt_root"]), step + 1, learner, buffer, processor, rank, world)
+            if rank == 0:
+                row = step_row(step, groups, res, wait_s, sync_s, ray.get(buffer.stats.remote()))
+                log.write(json.dumps(row) + "\n")
+                log.flush()
+                record_metrics(row)
+    finally:
+        if log is not None:
+            log.close()
+
+
+def step_row(step: int, groups: Sequence[Sequence[Any]], res: StepResult | None, wait_s: float, sync_s: float,
+             buffer_stats: dict[str, Any]) -> dict[str, Any]:
+    """One line of the per-step table: reward parts, fatal handling, optimisation and system figures."""
+    trajs = [t for g in groups for t in g]
+    n = max(1, len(trajs))
+    fatal = [t for t in trajs if t.fatal_kth >= 0]
+    row: dict[str, Any] = {
+        "step": step + 1, "groups": len(groups), "trajectories": len(trajs),
+        "reward": sum(t.reward for t in trajs) / n, "r_fmt": sum(t.r_fmt for t in trajs) / n,
+        "r_acc": sum(t.r_acc for t in trajs) / n, "r_query": sum(t.r_query for t in trajs) / n,
+        "accuracy": sum(t.r_acc >= 1.0 for t in trajs) / n, "fatal_rate": len(fatal) / n,
+        "turns": sum(len(t.turns) for t in trajs) / n, "wait_s": wait_s, "weight_sync_s": sync_s,
+        "buffer_ready": buffer_stats["ready"], "in_flight": buffer_stats["in_flight"],
+        "dropped": buffer_stats["dropped"], "staleness": buffer_stats["staleness"],
+        "versions": sorted({t.policy_version for tr in trajs for t in tr.turns}),
+    }
+    if res is not None:
+        row.update(loss=res.loss, kl=res.kl, clip_fraction=res.clip_fraction, entropy=res.entropy,
+                   mask_coverage=res.mask_coverage, grad_norm=res.grad_norm, skipped=res.skipped,
+                   clamped=res.clamped, kept_positive=res.kept_positive, step_s=res.seconds,
+                   tokens_per_s=res.tokens / max(res.seconds, 1e-9))
+    return row
+
+
+def record_metrics(row: Mapping[str, Any]) -> None:
+    """Export a step's figures through Ray's metric API (specs in osvl/metrics.py)."""
+    from osvl import metrics as M
+
+    for part in ("reward", "r_fmt", "r_acc", "r_query"):
+        M.metric(M.RL_REWARD).set(row[part], tags={"part": part})
+    M.metric(M.RL_ACCURACY).set(row["accuracy"])
+    M.metric(M.RL_FATAL_RATE).set(row["fatal_rate"])
+    M.metric(M.RL_BUFFER_DEPTH).set(row["buffer_ready"])
+    M.metric(M.RL_WEIGHT_SYNC).observe(row["weight_sync_s"])
+    for age, count in row["staleness"].items():
+        M.metric(M.RL_STALENESS).set(count, tags={"staleness": str(age)})
+    if "loss" in row:
+        M.metric(M.RL_CLAMPED).inc(row["clamped"], tags={"split": "clamped"})
+        M.metric(M.RL_CLAMPED).inc(row["kept_positive"], tags={"split": "kept_positive"})
+        M.metric(M.TRAIN_LOSS).set(row["loss"], tags={"job": "grpo"})
+        M.metric(M.TRAIN_GRAD_NORM).set(row["grad_norm"], tags={"job": "grpo"})
+        M.metric(M.RL_KL).set(row["kl"])
+        M.metric(M.RL_CLIP_FRACTION).set(row["clip_fraction"])
+        M.metric(M.RL_ENTROPY).set(row["entropy"])
+        M.metric(M.RL_MASK_COVERAGE).set(row["mask_coverage"])
+        M.metric(M.RL_TOKENS_PER_S).set(row["tokens_per_s"])
+        M.metric(M.RL_STEP_TIME).observe(row["step_s"])
+        if row["skipped"]:
+            M.metric(M.RL_SKIPPED).inc(1)
