@@ -40,6 +40,11 @@ class ModelLoadError(OsvlError):
     """A checkpoint directory is missing, incomplete or of an unsupported architecture."""
 
 
+class EngineError(OsvlError):
+    """A generation engine failed or refused a request (engine crashed, prompt over its context,
+    vision inputs that do not match the prompt's image pads, a weight update that misses tensors)."""
+
+
 class WeightsMissingError(ModelLoadError):
     """A model weight file (e.g. the EDSR checkpoint) does not exist: never a silent pass-through."""
 
