@@ -168,3 +168,36 @@ def masked_nll(logp: torch.Tensor, gen_mask: torch.Tensor) -> tuple[torch.Tensor
     """(sum of -log p over gen-mask tokens, number of those tokens): SFT's loss numerator and divisor."""
     mask = gen_mask.to(logp.device, logp.dtype)
     return -(logp * mask).sum(), mask.sum()
+
+
+def vision_keepalive(model, batch: dict[str, torch.Tensor], processor) -> torch.Tensor:
+    """0 x (the vision tower's output on a blank 32x32 image) when ``batch`` has no image, else 0.
+
+    Why: under DeepSpeed ZeRO every rank must reduce the same gradients in the same order. A
+    micro-batch without images leaves the vision tower out of the graph, its parameters get no
+    gradient on that rank only, and the ranks' collectives stop matching (gloo aborts, NCCL
+    hangs). Adding this term to the loss puts the tower in every graph with a zero gradient.
+    """
+    inner = getattr(model, "module", model).model
+    if "pixel_values" in batch or not any(p.requires_grad for p in inner.visual.parameters()):
+        return torch.zeros(())
+    import numpy as np
+
+    from osvl.agent.trajectory import processor_inputs
+
+    ip = processor.image_processor
+    pix = processor_inputs([np.zeros((32, 32, 3), np.uint8)], [int(ip.size["longest_edge"])], processor)
+    device = next(inner.visual.parameters()).device
+    dtype = next(inner.visual.parameters()).dtype
+    out = inner.visual(pix["pixel_values"].to(device, dtype), grid_thw=pix["image_grid_thw"].to(device))
+    total = torch.zeros((), device=device)
+    stack = [out]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, torch.Tensor):
+            total = total + x.float().sum()
+        elif isinstance(x, dict):
+            stack.extend(x.values())
+        elif isinstance(x, list | tuple):
+            stack.extend(x)
+    return total * 0.0
