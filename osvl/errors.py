@@ -45,6 +45,13 @@ class EngineError(OsvlError):
     vision inputs that do not match the prompt's image pads, a weight update that misses tensors)."""
 
 
+class EndpointUnavailable(OsvlError):
+    """An OpenAI-compatible endpoint (teacher, judge) gave no usable answer after its retries.
+
+    Callers turn it into an explicit state (a judged sample is marked ``judge_status="failed"``
+    with its group; a teacher rollout is dropped and counted), never a silent zero."""
+
+
 class WeightsMissingError(ModelLoadError):
     """A model weight file (e.g. the EDSR checkpoint) does not exist: never a silent pass-through."""
 
