@@ -182,3 +182,35 @@ def test_refusals_are_typed_and_leave_the_engine_working(engines):
     v.update_weights(h.model.state_dict(), version=2)
     out, ref = _run(v.generate(_request(b, greedy)), h.generate(_request(b, greedy)))
     assert out.token_ids == ref.token_ids
+
+
+def test_engine_serves_and_updates_inside_a_ray_actor(engines, ray_cluster):
+    """A rollout actor holds the engine; weights arrive through the object store, as in GRPO on CPU."""
+    import ray
+
+    _, h = engines
+
+    @ray.remote(num_cpus=1)
+    class Rollout:
+        def __init__(self, path: str) -> None:
+            self.engine = VLLMEngine(path, max_model_len=1024, max_num_seqs=4, kv_cache_gb=1)
+
+        async def generate(self, req: GenRequest):
+            return await self.engine.generate(req)
+
+        def update(self, state_dict, version: int) -> int:
+            self.engine.update_weights(state_dict, version)
+            return self.engine.version
+
+    path = str(tiny_checkpoint("qwen3_vl"))
+    actor = Rollout.remote(path)
+    b = _episode(h.processor, [_image(6, (90, 140))], "Who built it?", [None])
+    greedy = Sampling(temperature=0.0, max_new_tokens=10)
+    gen = torch.Generator().manual_seed(7)
+    new = {k: t + 0.05 * torch.randn(t.shape, generator=gen) for k, t in h.model.state_dict().items()}
+    assert ray.get(actor.update.remote(ray.put(new), 5), timeout=300) == 5
+    h.update_weights(new, version=5)
+    got = ray.get(actor.generate.remote(_request(b, greedy)), timeout=300)
+    (ref,) = _run(h.generate(_request(b, greedy)))
+    assert got.token_ids == ref.token_ids
+    ray.kill(actor)
