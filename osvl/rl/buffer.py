@@ -80,6 +80,7 @@ class TrajectoryBuffer:
         self.reissue: deque[int] = deque()   # slots whose actor died, issued again first
         self.log: list[str] = []             # drops and re-issues, human-readable, checkpointed
         self.taken: dict[int, list[list[Any]]] = {}  # step -> groups (idempotent take for all learner ranks)
+        self.aborted = ""          # set by abort(): the run cannot go on (no rollout actor can start)
         self._cond: asyncio.Condition | None = None
 
     # -- data cursor -------------------------------------------------------
@@ -115,6 +116,8 @@ class TrajectoryBuffer:
         deadline = None if timeout is None else time.monotonic() + timeout
         async with self.cond:
             while True:
+                if self.aborted:
+                    return None
                 if self.reissue:
                     slot = self.reissue.popleft()
                     s = self.slots[slot]
@@ -136,11 +139,11 @@ class TrajectoryBuffer:
                 except TimeoutError:
                     return None
 
-    async def put(self, actor: str, slot: int, attempt: int, group: list[Any]) -> str:
+    async def put(self, actor: str, slot: int, attempt: int, group: list[Any], error: str = "") -> str:
         """Admit a finished group; returns "ready" or the reason it was refused/dropped.
 
         ``group`` holds Trajectory records (anything with ``turns[*].policy_version`` and
-        ``judge_status``).
+        ``judge_status``); ``error`` reports a group whose episodes raised (dropped with it).
         """
         async with self.cond:
             s = self.slots.get(slot)
@@ -150,7 +153,9 @@ class TrajectoryBuffer:
             versions = [t.policy_version for tr in group for t in tr.turns if t.policy_version >= 0]
             oldest = min(versions) if versions else s.work.min_version
             s.staleness = s.work.step - oldest
-            if s.staleness > self.max_staleness:
+            if error:
+                self._drop(s, f"episode_error: {error}")
+            elif s.staleness > self.max_staleness:
                 self._drop(s, f"stale: oldest turn version {oldest} for step {s.work.step}")
             elif any(getattr(tr, "judge_status", "ok") == "failed" for tr in group):
                 self._drop(s, "judge_failed: the answer judge was unreachable for a sample of the group")
@@ -194,6 +199,8 @@ class TrajectoryBuffer:
         deadline = None if timeout is None else time.monotonic() + timeout
         async with self.cond:
             while not all(n in self.slots and self.slots[n].state in ("ready", "dropped") for n in range(lo, hi)):
+                if self.aborted:
+                    raise RuntimeError(f"GRPO run aborted: {self.aborted}")
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     return None
@@ -209,6 +216,13 @@ class TrajectoryBuffer:
                     s.state, s.group = "consumed", []
             self.taken = {step: groups}  # only the current step is kept: memory stays bounded
             return groups
+
+    async def abort(self, reason: str) -> None:
+        """Stop the run: the learner's ``take`` raises with ``reason``, actors get no more work."""
+        async with self.cond:
+            self.aborted = reason
+            self.log.append(f"aborted: {reason}")
+            self.cond.notify_all()
 
     async def advance(self, version: int) -> None:
         """The learner published ``version``: slots up to step version + max_staleness become issuable."""

@@ -1,0 +1,212 @@
+"""Rollout actors: a token engine plus the agent loop, many groups and episodes in flight.
+
+Each actor holds one engine (HF on CPU, vLLM on GPU) and runs ``groups_in_flight``
+group workers on one asyncio loop; a group worker acquires a slot from the buffer
+(which may make it wait: the staleness gate), makes sure the engine's weights are
+at least ``Work.min_version``, runs the G episodes of the slot concurrently
+through ``osvl.agent.loop.run_episode``, scores them with
+``osvl.agent.reward.score_trajectory`` and hands the group to the buffer. With
+several groups times G episodes in flight, the engine batches the turns of
+whichever episodes are waiting for the model while the others wait for tools,
+which is where the asynchronous design gets its throughput.
+
+Weights arrive in the background: a task long-polls the ``WeightStore`` and
+applies each newer version between generation batches (the engine's lock keeps a
+batch and an update from overlapping), so every turn records the version that
+sampled it.
+
+Tools go through Ray Serve deployment handles (``tools=handle``) on a cluster, or
+run in the actor's own process (``inprocess``, the single-machine default).
+
+A dead actor: the trainer's monitor sees its ``run`` task fail, tells the buffer
+(``release_actor``: its slots in flight are re-issued) and starts a replacement.
+Images (the questions' and every tool-made one) are written once, by content
+hash, into the run's image folder, which the learner reads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from osvl.config import opt
+
+
+@dataclass
+class RolloutConfig:
+    """Rollout actors and the agent budgets they run with."""
+
+    num_actors: int = opt(1, "Rollout actors (each holds one engine).", hashed=False)
+    cpus_per_actor: float = opt(1.0, "CPUs reserved per rollout actor.", hashed=False)
+    engine: str = opt("hf", "Token engine: hf (transformers generate) or vllm.")
+    max_batch: int = opt(32, "Most turns the engine batches into one generate call.", hashed=False)
+    groups_in_flight: int = opt(2, "Groups each actor works on concurrently (x G episodes in flight).",
+                                hashed=False)
+    tools: str = opt("inprocess", "Tool transport: inprocess (in the actor) or handle (Ray Serve deployments).")
+    tool_latency_s: float = opt(0.0, "Extra simulated latency added to every tool call (benchmarks), seconds.")
+    max_turns: int = opt(6, "Agent budget: assistant turns per episode.")
+    max_new_tokens: int = opt(96, "Agent budget: tokens per assistant turn.")
+    max_episode_tokens: int = opt(2048, "Agent budget: tokens per episode (prompt, tools and images included).")
+    k: int = opt(3, "K: consecutive failed steps that make an episode fatal.")
+    stop_on_fatal: bool = opt(True, "End the episode at the fatal step (released code) instead of continuing.")
+    temperature: float = opt(1.0, "Sampling temperature for RL (no top-p/top-k).")
+    alpha: float = opt(0.8, "Reward weight of r_acc against r_query.")
+    weight_poll_s: float = opt(10.0, "Long-poll timeout of the weight store, seconds.", hashed=False)
+
+
+@dataclass
+class ActorStats:
+    groups: int = 0
+    episodes: int = 0
+    refused: int = 0
+    weight_updates: int = 0
+    weight_sync_s: float = 0.0
+    statuses: dict[str, int] = field(default_factory=dict)
+
+
+class RolloutWorker:
+    """One rollout actor (use through ``ray.remote``; every method runs on the actor's event loop)."""
+
+    def __init__(self, actor_id: str, cfg: RolloutConfig, model_dir: str, questions: list[dict[str, Any]],
+                 question_image_dir: str, image_dir: str, buffer: Any, store: Any, group_size: int,
+                 mask_at: str = "cascade") -> None:
+        import torch
+
+        from osvl.agent.engines import make_engine
+        from osvl.agent.loop import AgentConfig
+        from osvl.tools.registry import all_tools
+
+        torch.set_num_threads(max(1, int(cfg.cpus_per_actor)))
+        self.id, self.cfg, self.G = actor_id, cfg, group_size
+        self.buffer, self.store = buffer, store
+        self.questions = questions
+        self.question_image_dir, self.image_dir = Path(question_image_dir), Path(image_dir)
+        self.image_dir.mkdir(parents=True, exist_ok=True)
+        self.engine = make_engine(cfg.engine, model_dir, max_batch=cfg.max_batch, version=-1)
+        self.processor = self.engine.processor
+        self.tools = [t.schema for t in all_tools().values()]
+        self.client = self._client()
+        self.agent_cfg = AgentConfig(max_turns=cfg.max_turns, max_new_tokens=cfg.max_new_tokens,
+                                     max_episode_tokens=cfg.max_episode_tokens, k=cfg.k,
+                                     stop_on_fatal=cfg.stop_on_fatal, mask_at=mask_at, temperature=cfg.temperature)
+        self.stats = ActorStats()
+        self._version_event: asyncio.Event | None = None
+
+    def _client(self):
+        from osvl.tools.client import make_client
+
+        client = make_client(self.cfg.tools)
+        if self.cfg.tool_latency_s > 0:
+            client = _DelayedClient(client, self.cfg.tool_latency_s)
+        return client
+
+    # -- weights --------------------------------------------------------------
+
+    async def _sync_weights(self) -> None:
+        """Background: apply every newer published version (long-poll, no busy loop)."""
+        while True:
+            version, ref = await self.store.wait_newer.remote(self.engine.version, self.cfg.weight_poll_s)
+            if version < 0:
+                continue
+            t0 = time.perf_counter()
+            state = await ref[0]
+            await asyncio.to_thread(self.engine.update_weights, state, version)
+            del state
+            self.stats.weight_updates += 1
+            self.stats.weight_sync_s += time.perf_counter() - t0
+            self._version_event.set()
+            self._version_event = asyncio.Event()
+
+    async def _at_least(self, version: int) -> None:
+        while self.engine.version < version:
+            await self._version_event.wait()
+
+    # -- groups ---------------------------------------------------------------
+
+    def _images_of(self, row: dict[str, Any]) -> list:
+        import numpy as np
+        from PIL import Image
+
+        out = []
+        for name in row["images"]:
+            path = self.question_image_dir / name
+            if not path.is_file():
+                path = path.with_suffix(".png")
+            with Image.open(path) as im:
+                out.append(np.asarray(im.convert("RGB")))
+        return out
+
+    async def _episode(self, work: Any, i: int) -> Any:
+        from osvl.agent.loop import run_episode
+        from osvl.agent.reward import RewardConfig, score_trajectory
+
+        row = self.questions[work.question_index]
+        images = self._images_of(row)
+        store: dict = {}
+        traj = await run_episode(self.engine, row, images, self.client, self.agent_cfg, processor=self.processor,
+                                 tools=self.tools, seed=work.seed + i, group_id=work.group_id, sample=i,
+                                 image_store=store)
+        self._save_images(traj, store)
+        return await score_trajectory(traj, row, RewardConfig(alpha=self.cfg.alpha))
+
+    def _save_images(self, traj: Any, arrays: dict) -> None:
+        """Write the episode's images (question + tool-made) once by hash where the learner reads them."""
+        from osvl.agent.trajectory import png_bytes
+
+        for sha in traj.images:
+            path = self.image_dir / f"{sha}.png"
+            if not path.exists():
+                tmp = path.with_suffix(f".{self.id}.tmp")
+                tmp.write_bytes(png_bytes(arrays[sha]))
+                tmp.replace(path)
+
+    async def _group_worker(self) -> None:
+        while True:
+            work = await self.buffer.acquire.remote(self.id)
+            if work is None:
+                return
+            await self._at_least(work.min_version)
+            try:
+                group = list(await asyncio.gather(*(self._episode(work, i) for i in range(self.G))))
+                error = ""
+            except Exception as e:  # noqa: BLE001 - a bad episode drops its group (with the reason), not the actor
+                group, error = [], f"{type(e).__name__}: {e}"[:500]
+            status = await self.buffer.put.remote(self.id, work.slot, work.attempt, group, error)
+            self.stats.groups += 1
+            self.stats.episodes += len(group)
+            self.stats.statuses[status] = self.stats.statuses.get(status, 0) + 1
+
+    async def run(self) -> dict[str, Any]:
+        """Work until the buffer has issued every slot of the run; returns this actor's counters."""
+        self._version_event = asyncio.Event()
+        sync = asyncio.create_task(self._sync_weights())
+        try:
+            await asyncio.gather(*(self._group_worker() for _ in range(self.cfg.groups_in_flight)))
+        finally:
+            sync.cancel()
+        return self.get_stats()
+
+    def get_stats(self) -> dict[str, Any]:
+        return {"actor": self.id, "version": self.engine.version, **self.stats.__dict__}
+
+    def pid(self) -> int:
+        import os
+
+        return os.getpid()
+
+
+class _DelayedClient:
+    """A tool client whose every call takes ``delay`` seconds longer (the benchmark's simulated latency)."""
+
+    def __init__(self, inner: Any, delay: float) -> None:
+        self.inner, self.delay = inner, delay
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    async def call(self, *args: Any, **kwargs: Any) -> Any:
+        await asyncio.sleep(self.delay)
+        return await self.inner.call(*args, **kwargs)

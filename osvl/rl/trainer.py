@@ -1,0 +1,215 @@
+"""The GRPO launcher: wires the buffer, the weight store, the rollout actors and the learner.
+
+    driver ── TrajectoryBuffer (actor) ◄── RolloutWorker x N (actors: engine + agent loop)
+       │            │ take(step)                 ▲ weights (WeightStore, versioned)
+       └── Ray Train workers (learner, DeepSpeed) ┘
+
+Order matters for resume: the latest checkpoint is read first, the buffer is
+rebuilt from it (data cursor, ledger, ready groups; slots in flight re-issued), and
+only then do rollout actors start asking for work; the learner loads its model and
+Adam state from the same checkpoint and publishes its version before it waits for
+a batch, so no actor generates with weights older than the gate allows.
+
+A monitor thread in the driver watches the actors' ``run`` tasks while the learner
+trains: a dead actor's slots go back to the buffer (``release_actor``) and a
+replacement starts. The learner itself is restarted by Ray Train's FailureConfig
+and resumes from the latest checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from osvl.config import RunConfig, opt
+from osvl.rl.learner import RLConfig
+from osvl.rl.rollout import RolloutConfig
+
+JOB = "grpo"
+
+
+@dataclass
+class LearnerConfig:
+    """The learner's Ray Train workers."""
+
+    num_workers: int = opt(1, "Ray Train learner workers (data parallel over whole groups).", hashed=False)
+    threads_per_worker: int = opt(1, "CPUs (and torch threads) per learner worker.", hashed=False)
+    zero_stage: int = opt(2, "DeepSpeed ZeRO stage (0-3).", hashed=False)
+    use_gpu: bool = opt(False, "Learner workers on GPUs (NCCL, one GPU each).", hashed=False)
+    max_failures: int = opt(1, "Ray Train restarts of a failed learner worker group (resumes from the checkpoint).",
+                            hashed=False)
+
+
+@dataclass
+class TrainConfig:
+    """What one GRPO run does once the model and the questions exist."""
+
+    steps: int = opt(40, "Learner steps.")
+    groups_per_step: int = opt(2, "Groups (questions) per learner step; the batch is groups_per_step x G.")
+    max_staleness: int = opt(1, "Max policy-version lag of a trained group's oldest turn (0 = synchronous).")
+    weights_every: int = opt(1, "Publish weights every this many steps.", hashed=False)
+    ckpt_every: int = opt(10, "Checkpoint every this many steps (and at the end).", hashed=False)
+    keep: int = opt(2, "Checkpoints kept.", hashed=False)
+    max_attempts: int = opt(3, "Issues of one group slot before it is dropped (dead actors).", hashed=False)
+    max_actor_restarts: int = opt(5, "Rollout-actor restarts before the run is aborted.", hashed=False)
+
+
+@dataclass
+class GRPOParts:
+    """Everything ``train`` needs (the job builds it; tests and the benchmark build smaller ones)."""
+
+    run: RunConfig
+    rl: RLConfig
+    rollout: RolloutConfig
+    learner: LearnerConfig
+    train: TrainConfig
+
+
+def read_questions(path: str | Path) -> list[dict[str, Any]]:
+    import pyarrow.parquet as pq
+
+    return pq.read_table(path).to_pylist()
+
+
+class Monitor(threading.Thread):
+    """Driver-side: restart dead rollout actors (their slots re-issued) and print the per-step table."""
+
+    def __init__(self, make_actor: Callable[[str], Any], buffer: Any, actors: dict[str, Any], log_path: Path,
+                 print_row: Callable[[dict], None], max_restarts: int, log: Callable[[str], None]) -> None:
+        super().__init__(daemon=True)
+        self.make_actor, self.buffer, self.actors = make_actor, buffer, actors
+        self.runs = {name: a.run.remote() for name, a in actors.items()}
+        self.log_path, self.print_row = log_path, print_row
+        self.max_restarts, self.log = max_restarts, log
+        self.stop = threading.Event()
+        self.restarts: list[str] = []
+        self.finished: dict[str, dict] = {}
+        self._offset = log_path.stat().st_size if log_path.exists() else 0
+
+    def run(self) -> None:
+        import ray
+
+        while not self.stop.is_set():
+            pending = list(self.runs.values())
+            done, _ = ray.wait(pending, num_returns=len(pending), timeout=0.5) if pending else ([], [])
+            for ref in done:
+                name = next(n for n, r in self.runs.items() if r == ref)
+                del self.runs[name]
+                try:
+                    self.finished[name] = ray.get(ref)
+                except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as e:
+                    reason = f"rollout actor {name} died: {type(e).__name__}"
+                    self.log(f"{reason}: {str(e)[-1500:]}")
+                    ray.kill(self.actors[name])  # a task error leaves the actor alive: make it a clean death
+                    ray.get(self.buffer.release_actor.remote(name, reason))
+                    if len(self.restarts) >= self.max_restarts:
+                        ray.get(self.buffer.abort.remote(f"{reason}; {len(self.restarts)} restarts already "
+                                                         f"(train.max_actor_restarts): {str(e)[-2000:]}"))
+                        continue
+                    new = f"{name.split('~')[0]}~{len(self.restarts) + 1}"
+                    self.restarts.append(f"{name} -> {new}: {reason}")
+                    self.actors[new] = self.make_actor(new)
+                    self.runs[new] = self.actors[new].run.remote()
+            self.tail()
+            if not pending:
+                self.stop.wait(0.5)
+        self.tail()
+
+    def tail(self) -> None:
+        if not self.log_path.exists():
+            return
+        with self.log_path.open() as f:
+            f.seek(self._offset)
+            for line in f:
+                if line.endswith("\n"):
+                    self._offset += len(line.encode())
+                    self.print_row(json.loads(line))
+
+
+def train(parts: GRPOParts, model_dir: str | Path, questions: list[dict[str, Any]], question_image_dir: str | Path,
+          out: Path, log: Callable[[str], None] = print, print_row: Callable[[dict], None] | None = None,
+          ) -> dict[str, Any]:
+    """Run (or resume) GRPO into ``out``; returns a summary with the step log and the accounting."""
+    import ray
+
+    from osvl.cluster import init_ray
+    from osvl.rl import checkpoint as ckpt
+    from osvl.rl.buffer import TrajectoryBuffer
+    from osvl.rl.learner import train_loop
+    from osvl.rl.rollout import RolloutWorker
+    from osvl.rl.weights import WeightStore
+    from osvl.train.deepspeed import make_trainer
+
+    init_ray()
+    tc, rc = parts.train, parts.rollout
+    ckpt_root = out / "checkpoints"
+    ckpt_root.mkdir(parents=True, exist_ok=True)
+    image_dir = out / "images"
+    log_path = out / "steps.jsonl"
+    resume = ckpt.latest(ckpt_root)
+    buffer = ray.remote(TrajectoryBuffer).options(num_cpus=0).remote(
+        len(questions), tc.groups_per_step, tc.steps, tc.max_staleness, parts.run.seed, tc.max_attempts)
+    if resume is not None:
+        ray.get(buffer.load_state.remote(ckpt.load_buffer_state(resume), tc.steps))
+        log(f"resuming from {resume.name}: buffer cursor and ledger restored, slots in flight re-issued")
+        model_dir = resume / "hf"  # the actors start from the checkpoint's policy (the learner republishes it)
+    elif log_path.exists():
+        log_path.unlink()  # a fresh run: no stale rows from a run that died before its first checkpoint
+    store = ray.remote(WeightStore).options(num_cpus=0).remote()
+    questions_ref = ray.put(questions)
+
+    def make_actor(name: str) -> Any:
+        return ray.remote(RolloutWorker).options(num_cpus=rc.cpus_per_actor, max_restarts=0).remote(
+            name, rc, str(model_dir), questions_ref, str(question_image_dir), str(image_dir), buffer, store,
+            parts.rl.group_size, parts.rl.mask_at)
+
+    actors = {f"rollout{i}": make_actor(f"rollout{i}") for i in range(rc.num_actors)}
+    monitor = Monitor(make_actor, buffer, actors, log_path, print_row or (lambda row: None), tc.max_actor_restarts,
+                      log)
+    monitor.start()
+    loop_config = {"rl": parts.rl, "model_dir": str(model_dir), "image_dir": str(image_dir), "buffer": buffer,
+                   "store": store, "steps": tc.steps, "resume": str(resume or ""), "ckpt_root": str(ckpt_root),
+                   "ckpt_every": tc.ckpt_every, "keep": tc.keep, "zero_stage": parts.learner.zero_stage,
+                   "threads": parts.learner.threads_per_worker, "log_path": str(log_path),
+                   "weights_every": tc.weights_every, "seed": parts.run.seed}
+    t0 = time.perf_counter()
+    try:
+        trainer = make_trainer(train_loop, loop_config, num_workers=parts.learner.num_workers,
+                               threads_per_worker=parts.learner.threads_per_worker, use_gpu=parts.learner.use_gpu,
+                               storage=out / "ray_train", name="learner", keep=1,
+                               max_failures=parts.learner.max_failures)
+        trainer.fit()
+    finally:
+        monitor.stop.set()
+        monitor.join(timeout=30)
+    seconds = time.perf_counter() - t0
+    stats = ray.get(buffer.stats.remote())
+    ledger = ray.get(buffer.ledger.remote())
+    events = ray.get(buffer.events.remote())
+    actor_stats = [ray.get(a.get_stats.remote()) for n, a in monitor.actors.items() if n not in monitor.finished
+                   and _alive(a)] + list(monitor.finished.values())
+    for a in monitor.actors.values():
+        ray.kill(a)
+    for h in (buffer, store):
+        ray.kill(h)
+    rows = [json.loads(line) for line in log_path.read_text().splitlines()] if log_path.exists() else []
+    summary = {"seconds": seconds, "buffer": stats, "ledger": ledger, "events": events, "restarts": monitor.restarts,
+               "actors": actor_stats, "rows": rows, "resumed_from": resume.name if resume else "",
+               "checkpoint": str(ckpt.latest(ckpt_root) or "")}
+    (out / "summary.json").write_text(json.dumps({k: v for k, v in summary.items() if k != "rows"}, default=str))
+    return summary
+
+
+def _alive(actor: Any) -> bool:
+    import ray
+
+    try:
+        ray.get(actor.pid.remote(), timeout=5)
+        return True
+    except Exception:  # noqa: BLE001 - any failure means it cannot report
+        return False
