@@ -304,8 +304,13 @@ def train_loop(config: dict[str, Any]) -> None:
                                                       world_size=world, grad_clip=cfg.grad_clip))
     learner = Learner(engine.module, cfg, engine=engine, ref_model=ref)
     buffer, store = config["buffer"], config["store"]
-    if config["resume"]:
-        client = ckpt.load_learner(engine, Path(config["resume"]))
+    resume = ckpt.latest(Path(config["ckpt_root"]))
+    if resume is not None and str(resume) != config["resume"] and rank == 0:
+        # a restarted worker group (FailureConfig): the buffer moved on since the checkpoint, so it
+        # goes back to the checkpoint's state too (in-flight answers are then refused as duplicates)
+        ray.get(buffer.load_state.remote(ckpt.load_buffer_state(resume)))
+    if resume is not None:
+        client = ckpt.load_learner(engine, resume)
         learner.step_count, learner.skipped = client["step"], client["skipped"]
         ckpt.restore_rng(client["rng"][rank] if rank < len(client["rng"]) else client["rng"][0])
         if rank == 0:
