@@ -361,7 +361,7 @@ def step_row(step: int, groups: Sequence[Sequence[Any]], res: StepResult | None,
     n = max(1, len(trajs))
     fatal = [t for t in trajs if t.fatal_kth >= 0]
     row: dict[str, Any] = {
-        "step": step + 1, "groups": len(groups), "trajectories": len(trajs),
+        "step": step + 1, "time": time.time(), "groups": len(groups), "trajectories": len(trajs),
         "reward": sum(t.reward for t in trajs) / n, "r_fmt": sum(t.r_fmt for t in trajs) / n,
         "r_acc": sum(t.r_acc for t in trajs) / n, "r_query": sum(t.r_query for t in trajs) / n,
         "accuracy": sum(t.r_acc >= 1.0 for t in trajs) / n, "fatal_rate": len(fatal) / n,

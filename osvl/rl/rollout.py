@@ -67,6 +67,18 @@ class ActorStats:
     statuses: dict[str, int] = field(default_factory=dict)
 
 
+def question_images(image_dir: Path, row: dict[str, Any]) -> list:
+    """The RGB arrays of a synthesized question's images (stored under the synthesize run's images/)."""
+    import numpy as np
+    from PIL import Image
+
+    out = []
+    for name in row["images"]:
+        with Image.open(image_dir / name) as im:
+            out.append(np.asarray(im.convert("RGB")))
+    return out
+
+
 class RolloutWorker:
     """One rollout actor (use through ``ray.remote``; every method runs on the actor's event loop)."""
 
@@ -126,31 +138,18 @@ class RolloutWorker:
 
     # -- groups ---------------------------------------------------------------
 
-    def _images_of(self, row: dict[str, Any]) -> list:
-        import numpy as np
-        from PIL import Image
-
-        out = []
-        for name in row["images"]:
-            path = self.question_image_dir / name
-            if not path.is_file():
-                path = path.with_suffix(".png")
-            with Image.open(path) as im:
-                out.append(np.asarray(im.convert("RGB")))
-        return out
-
     async def _episode(self, work: Any, i: int) -> Any:
         from osvl.agent.loop import run_episode
         from osvl.agent.reward import RewardConfig, score_trajectory
 
         row = self.questions[work.question_index]
-        images = self._images_of(row)
+        images = question_images(self.question_image_dir, row)
         store: dict = {}
         traj = await run_episode(self.engine, row, images, self.client, self.agent_cfg, processor=self.processor,
                                  tools=self.tools, seed=work.seed + i, group_id=work.group_id, sample=i,
                                  image_store=store)
         self._save_images(traj, store)
-        return await score_trajectory(traj, row, RewardConfig(alpha=self.cfg.alpha))
+        return await score_trajectory(traj, row, RewardConfig(alpha=self.cfg.alpha, prefix_end=self.agent_cfg.mask_at))
 
     def _save_images(self, traj: Any, arrays: dict) -> None:
         """Write the episode's images (question + tool-made) once by hash where the learner reads them."""
@@ -210,3 +209,39 @@ class _DelayedClient:
     async def call(self, *args: Any, **kwargs: Any) -> Any:
         await asyncio.sleep(self.delay)
         return await self.inner.call(*args, **kwargs)
+
+
+async def _eval_episodes(model_dir: str, questions: list[dict[str, Any]], image_dir: str, cfg: RolloutConfig,
+                         concurrency: int) -> list[Any]:
+    from osvl.agent.engines import make_engine
+    from osvl.agent.judge import answer_reward
+    from osvl.agent.loop import AgentConfig, run_episode
+    from osvl.tools.client import make_client
+    from osvl.tools.registry import all_tools
+
+    engine = make_engine(cfg.engine, model_dir, max_batch=cfg.max_batch)
+    client = make_client("inprocess")
+    tools = [t.schema for t in all_tools().values()]
+    agent = AgentConfig(max_turns=cfg.max_turns, max_new_tokens=cfg.max_new_tokens,
+                        max_episode_tokens=cfg.max_episode_tokens, k=cfg.k, stop_on_fatal=cfg.stop_on_fatal,
+                        temperature=0.0)
+    sem = asyncio.Semaphore(concurrency)
+
+    async def one(row: dict[str, Any]) -> float:
+        async with sem:
+            traj = await run_episode(engine, row, question_images(Path(image_dir), row), client, agent,
+                                     processor=engine.processor, tools=tools, seed=0)
+            ok = traj.fatal_kth < 0 and traj.stop_reason == "response"
+            return answer_reward(traj.final_answer, row["answer"], row.get("answer_aliases") or []) if ok else 0.0
+
+    try:
+        return list(await asyncio.gather(*(one(r) for r in questions)))
+    finally:
+        engine.close()
+
+
+def pass_at_1(model_dir: str | Path, questions: list[dict[str, Any]], image_dir: str | Path, cfg: RolloutConfig,
+              concurrency: int = 16) -> float:
+    """Greedy Pass@1 (rule judge r_acc) of ``model_dir`` on ``questions``, with the same budgets as the rollouts."""
+    scores = asyncio.run(_eval_episodes(str(model_dir), questions, str(image_dir), cfg, concurrency))
+    return sum(scores) / max(1, len(scores))
