@@ -12,7 +12,7 @@ from osvl.agent.trajectory import TrajectoryBuilder, processor_inputs, write_tra
 from osvl.errors import DataError
 from osvl.models.load import load_model, load_processor
 from osvl.models.tiny import tiny_checkpoint
-from osvl.train.batch import collate, cut_point, image_spans, token_logprobs
+from osvl.train.batch import collate, cut_point, ensure_image, image_spans, token_logprobs
 
 
 @pytest.fixture(scope="module")
@@ -127,3 +127,21 @@ def test_token_logprobs_match_a_plain_forward(tiny, records):
             assert torch.allclose(lp[b, 1:n], ref, atol=1e-4), (lp[b, 1:n] - ref).abs().max()
             assert torch.allclose(lp_t[b, 1:n], ref_t, atol=1e-4)
     assert lp.shape == batch["input_ids"].shape and (lp <= 0).all()
+
+
+def test_ensure_image_changes_no_real_logprob(tiny, records):
+    """The blank image ZeRO needs in image-less batches sits after row 0's tokens and moves nothing."""
+    model, processor = tiny
+    recs, image_dir = records
+    batch = collate([recs[2], recs[0]], image_dir, processor, max_len=4096)  # row 0 has no image, row 1 one
+    text_only = collate([recs[2]], image_dir, processor, max_len=4096)
+    assert "pixel_values" not in text_only
+    padded = ensure_image(text_only, processor)
+    assert ensure_image(batch, processor) is batch
+    n = int(text_only["n_tokens"][0])
+    assert padded["input_ids"].shape[1] > n and padded["gen_mask"][0, n:].sum() == 0
+    assert padded["image_grid_thw"].shape == (1, 3)
+    with torch.no_grad():
+        a = token_logprobs(model, text_only)[0, :n]
+        b = token_logprobs(model, padded)[0, :n]
+    assert torch.allclose(a, b, atol=1e-5), (a - b).abs().max()

@@ -170,34 +170,44 @@ def masked_nll(logp: torch.Tensor, gen_mask: torch.Tensor) -> tuple[torch.Tensor
     return -(logp * mask).sum(), mask.sum()
 
 
-def vision_keepalive(model, batch: dict[str, torch.Tensor], processor) -> torch.Tensor:
-    """0 x (the vision tower's output on a blank 32x32 image) when ``batch`` has no image, else 0.
 
-    Why: under DeepSpeed ZeRO every rank must reduce the same gradients in the same order. A
-    micro-batch without images leaves the vision tower out of the graph, its parameters get no
-    gradient on that rank only, and the ranks' collectives stop matching (gloo aborts, NCCL
-    hangs). Adding this term to the loss puts the tower in every graph with a zero gradient.
+def ensure_image(batch: dict[str, torch.Tensor], processor) -> dict[str, torch.Tensor]:
+    """Give an image-less batch one blank 32x32 image, appended after row 0's last token.
+
+    Why: under DeepSpeed ZeRO every rank must reduce the same gradients in the same order
+    (ZeRO-2/3 reduce in the order backward hooks fire). A micro-batch without images leaves the
+    vision tower out of the graph on that rank only, and the ranks' collectives stop matching
+    (gloo aborts, NCCL hangs). Appended at the end of a row with ``gen_mask`` 0, the image
+    changes no logit of a real token (attention is causal and the positions before it are
+    unchanged), yet every forward now runs embed -> vision tower -> language model in the same
+    structure, so the hooks fire in the same order on every rank.
     """
-    inner = getattr(model, "module", model).model
-    if "pixel_values" in batch or not any(p.requires_grad for p in inner.visual.parameters()):
-        return torch.zeros(())
+    if "pixel_values" in batch or batch["input_ids"].shape[0] == 0:
+        return batch
     import numpy as np
 
-    from osvl.agent.trajectory import processor_inputs
+    from osvl.agent.trajectory import mm_token_type_ids, processor_inputs
 
+    v_start, v_pad, v_end = _vision_ids(processor)
     ip = processor.image_processor
     pix = processor_inputs([np.zeros((32, 32, 3), np.uint8)], [int(ip.size["longest_edge"])], processor)
-    device = next(inner.visual.parameters()).device
-    dtype = next(inner.visual.parameters()).dtype
-    out = inner.visual(pix["pixel_values"].to(device, dtype), grid_thw=pix["image_grid_thw"].to(device))
-    total = torch.zeros((), device=device)
-    stack = [out]
-    while stack:
-        x = stack.pop()
-        if isinstance(x, torch.Tensor):
-            total = total + x.float().sum()
-        elif isinstance(x, dict):
-            stack.extend(x.values())
-        elif isinstance(x, list | tuple):
-            stack.extend(x)
-    return total * 0.0
+    n_pad = int(pix["image_grid_thw"].prod()) // int(ip.merge_size) ** 2
+    ids = torch.tensor([v_start] + [v_pad] * n_pad + [v_end], dtype=torch.long)
+    at = int(batch["n_tokens"][0])
+    need = at + len(ids) - batch["input_ids"].shape[1]
+    out = dict(batch)
+    if need > 0:
+        tok = getattr(processor, "tokenizer", processor)
+        fills = {"input_ids": tok.pad_token_id or 0, "step_ids": -1}
+        for key in ("input_ids", "attention_mask", "gen_mask", "step_ids", "old_logprobs"):
+            x = out[key]
+            pad = torch.full((x.shape[0], need), fills.get(key, 0), dtype=x.dtype)
+            out[key] = torch.cat([x, pad], dim=1)
+    out["input_ids"] = out["input_ids"].clone()
+    out["attention_mask"] = out["attention_mask"].clone()
+    out["input_ids"][0, at:at + len(ids)] = ids
+    out["attention_mask"][0, at:at + len(ids)] = 1
+    out["pixel_values"] = pix["pixel_values"]
+    out["image_grid_thw"] = pix["image_grid_thw"].to(torch.long)
+    out["mm_token_type_ids"] = mm_token_type_ids(out["input_ids"], v_pad)
+    return out

@@ -188,13 +188,13 @@ def build_model(cfg: SftConfig, model_dir: str, dtype: str):
 
 def _forward_nll(engine, rows, image_dir, processor, cfg: SftConfig):
     """(NLL sum over gen tokens, gen tokens, tokens, truncated rows, dropped rows) of one micro-batch."""
-    from osvl.train.batch import collate, masked_nll, token_logprobs, vision_keepalive
+    from osvl.train.batch import collate, ensure_image, masked_nll, token_logprobs
 
     batch = collate(rows, image_dir, processor, cfg.max_len, cfg.truncation)
     if batch["input_ids"].shape[0] == 0:
         raise DataError(f"every trajectory of a micro-batch was dropped (max_len={cfg.max_len}); raise max_len")
+    batch = ensure_image(batch, processor)  # same graph on every rank: ZeRO's reduce order depends on it
     nll, n_gen = masked_nll(token_logprobs(engine, batch), batch["gen_mask"])
-    nll = nll + vision_keepalive(engine, batch, processor)
     return nll, n_gen, int(batch["attention_mask"].sum()), int(batch["truncated"].sum()), int(batch["n_dropped"])
 
 
