@@ -1,0 +1,28 @@
+"""Expert trajectories for SFT: ``python jobs/trajectories.py [--profile=NAME] [--key=value]``.
+
+A teacher (default: the offline path oracle) answers each SFT question through the real
+tools ``n_teacher_rollouts`` times; the answer judge and then the process judge filter the
+rollouts, and at most ``keep_per_question`` per question are written to
+``<run root>/trajectories/<config hash>/trajectories.parquet`` with ``images/`` beside it.
+A rerun with the same config resumes: committed shards are kept, the rest run.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+
+from osvl.agent.expert import JOB, TrajConfig, run  # noqa: E402
+from osvl.config import dump, parse_args  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> None:
+    cfg = parse_args(TrajConfig, JOB, argv)
+    print(dump(cfg), flush=True)
+    run(cfg, log=lambda msg: print(msg, flush=True))
+
+
+if __name__ == "__main__":
+    main()
