@@ -123,6 +123,22 @@ def test_greedy_equals_hf_before_and_after_a_weight_push(engines):
     assert diff.max() <= TOL
 
 
+def test_stop_token_ends_the_turn_and_is_returned_and_seeds_reproduce(engines):
+    v, h = engines
+    b = _episode(v.processor, [_image(8, (70, 110))], "Name it.", [None])
+    (free,) = _run(v.generate(_request(b, Sampling(temperature=0.0, max_new_tokens=12))))
+    stop = free.token_ids[4]
+    if stop in free.token_ids[:4]:
+        pytest.fail(f"pick another prompt: token {stop} repeats before position 4 in {free.token_ids}")
+    s = Sampling(temperature=0.0, max_new_tokens=12, stop_token_ids=[stop])
+    got, ref = _run(v.generate(_request(b, s)), h.generate(_request(b, s)))
+    assert got.token_ids == free.token_ids[:5] == ref.token_ids and got.finish == ref.finish == "stop"
+    assert free.finish == "length" and len(free.token_ids) == 12
+    same = [Sampling(temperature=1.0, max_new_tokens=8, seed=s) for s in (11, 11, 12)]
+    a, a2, c = _run(*(v.generate(_request(b, x)) for x in same))
+    assert a.token_ids == a2.token_ids != c.token_ids
+
+
 @pytest.mark.parametrize("temperature", [1.0, 0.5])
 def test_sampled_logprobs_match_an_hf_rescore(engines, tmp_path, temperature):
     """Concurrent sampled turns (two images, one under a lowered pixel cap), stored, re-scored by HF."""
