@@ -61,7 +61,7 @@ try:
     import vllm  # noqa: F401  (fail at import time with the install command, not at first use)
 except ImportError as e:  # pragma: no cover - depends on the environment
     raise DependencyMissingError(
-        "vllm", "make setup-vllm (CPU) or pip install 'osvl[gpu]' (CUDA)",
+        "vllm", "make setup-vllm (CPU build); on GPU, the official vllm wheel in a venv of its own",
         "the vLLM engine runs in its own environment; the default one uses the HF engine") from e
 
 
@@ -104,6 +104,9 @@ class VLLMEngine:
                  max_num_seqs: int = 64, max_images: int = 16, kv_cache_gb: int = 2,
                  gpu_memory_utilization: float = 0.85, enforce_eager: bool = True, seed: int = 0,
                  version: int = 0, **engine_kw: Any) -> None:
+        """``kv_cache_gb`` sizes the KV cache on CPU, ``gpu_memory_utilization`` on GPU; ``engine_kw``
+        are further ``vllm.EngineArgs`` (keep the in-process, uni-process executor: weight updates
+        hand the worker a Python function)."""
         from vllm import EngineArgs, LLMEngine
 
         self.path = str(model)
@@ -165,8 +168,8 @@ class VLLMEngine:
         """
         if self._dead is not None:
             raise EngineError(f"the vLLM engine has stopped: {self._dead}")
-        # CPU, contiguous, detached: what load_weights copies from (a GPU learner's tensors come over as is)
-        tensors = {k: v.detach().to("cpu").contiguous() for k, v in state_dict.items()}
+        # any device: load_weights copies each tensor into the engine's parameter (and casts its dtype)
+        tensors = {k: v.detach().contiguous() for k, v in state_dict.items()}
         done: Future = Future()
         self._inbox.put(("update", (tensors, int(version), done)))
         done.result()
