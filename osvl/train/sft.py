@@ -255,6 +255,8 @@ def train_loop(config: dict) -> None:
             step = int(load_checkpoint(engine, Path(d))["step"])
         if rank == 0:
             print(f"sft: resumed at step {step}/{total}", flush=True)
+            with log_file.open("a") as f:
+                f.write(json.dumps({"resumed_at": step}) + "\n")
     job = {"job": JOB}
     rows_per_micro = world * cfg.micro_batch
     micro_per_epoch = config["train_rows"] // rows_per_micro
@@ -425,13 +427,16 @@ def run(cfg: SftConfig, *, log: Any = print) -> dict[str, Any]:
     with result.checkpoint.as_directory() as d:
         shutil.rmtree(model_out, ignore_errors=True)
         shutil.copytree(Path(d) / HF_SUBDIR, model_out)
-    # the log is appended across resumes: keep each step's last line
-    lines = {json.loads(x)["step"]: x for x in log_file.read_text().splitlines() if x.strip()}
-    log_file.write_text("".join(lines[k] + "\n" for k in sorted(lines)))
+    # the log is appended across resumes (a step after the last checkpoint runs twice): keep each step's
+    # last line, and the resume events
+    entries = [json.loads(x) for x in log_file.read_text().splitlines() if x.strip()]
+    lines = {e["step"]: e for e in entries if "step" in e}
+    resumed = [e["resumed_at"] for e in entries if "resumed_at" in e]
+    log_file.write_text("".join(json.dumps(lines[k]) + "\n" for k in sorted(lines)))
     log(loss_curve(log_file))
     report: dict[str, Any] = {"model": str(model_out), "steps": steps, "train_s": round(train_s, 1),
-                              "train_rows": n_train, "val_rows": n_val, "final": json.loads(lines[max(lines)]),
-                              "config": to_dict(cfg)}
+                              "train_rows": n_train, "val_rows": n_val, "resumed_at": resumed,
+                              "final": lines[max(lines)], "config": to_dict(cfg)}
     if cfg.data.n_eval > 0:
         from osvl.train.format_check import format_check, heldout_path
 
