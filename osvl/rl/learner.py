@@ -95,7 +95,7 @@ def grpo_loss(logp: torch.Tensor, batch: Mapping[str, torch.Tensor], cfg: RLConf
                       eps_high=cfg.eps_high, ref_logp=ref_logp, beta=cfg.beta, aggregation=cfg.aggregation,
                       gen_mask=gen)
     clamped = int((fatal & (raw < 0)).sum()) if mode.clamp_fatal else 0
-    kept = int((fatal & (raw >= 0)).sum()) if mode.clamp_fatal else 0
+    kept = int((fatal & (raw > 0)).sum()) if mode.clamp_fatal else 0  # a 0 advantage is neither
     return StepLoss(out=out, adv=adv, raw_adv=raw, mask=mask, clamped=clamped, kept_positive=kept,
                     n_fatal=int(fatal.sum()))
 
@@ -369,6 +369,7 @@ def step_row(step: int, groups: Sequence[Sequence[Any]], res: StepResult | None,
         "buffer_ready": buffer_stats["ready"], "in_flight": buffer_stats["in_flight"],
         "dropped": buffer_stats["dropped"], "staleness": buffer_stats["staleness"],
         "versions": sorted({t.policy_version for tr in trajs for t in tr.turns}),
+        "group_ids": sorted({t.group_id for t in trajs}),
     }
     if res is not None:
         row.update(loss=res.loss, kl=res.kl, clip_fraction=res.clip_fraction, entropy=res.entropy,

@@ -46,6 +46,7 @@ class RolloutConfig:
     groups_in_flight: int = opt(2, "Groups each actor works on concurrently (x G episodes in flight).",
                                 hashed=False)
     tools: str = opt("inprocess", "Tool transport: inprocess (in the actor) or handle (Ray Serve deployments).")
+    offer: list[str] = opt([], "Tools offered to the policy, by name; empty = every registered tool.")
     tool_latency_s: float = opt(0.0, "Extra simulated latency added to every tool call (benchmarks), seconds.")
     max_turns: int = opt(6, "Agent budget: assistant turns per episode.")
     max_new_tokens: int = opt(96, "Agent budget: tokens per assistant turn.")
@@ -79,6 +80,18 @@ def question_images(image_dir: Path, row: dict[str, Any]) -> list:
     return out
 
 
+def offered_tools(names: list[str]) -> list[dict[str, Any]]:
+    """JSON schemas of the tools the policy is offered (all registered ones when ``names`` is empty)."""
+    from osvl.errors import ConfigError
+    from osvl.tools.registry import all_tools
+
+    tools = all_tools()
+    unknown = sorted(set(names) - set(tools))
+    if unknown:
+        raise ConfigError(f"rollout.offer: unknown tools {unknown}; registered: {sorted(tools)}")
+    return [t.schema for n, t in tools.items() if not names or n in names]
+
+
 class RolloutWorker:
     """One rollout actor (use through ``ray.remote``; every method runs on the actor's event loop)."""
 
@@ -89,7 +102,6 @@ class RolloutWorker:
 
         from osvl.agent.engines import make_engine
         from osvl.agent.loop import AgentConfig
-        from osvl.tools.registry import all_tools
 
         torch.set_num_threads(max(1, int(cfg.cpus_per_actor)))
         self.id, self.cfg, self.G = actor_id, cfg, group_size
@@ -99,7 +111,7 @@ class RolloutWorker:
         self.image_dir.mkdir(parents=True, exist_ok=True)
         self.engine = make_engine(cfg.engine, model_dir, max_batch=cfg.max_batch, version=-1)
         self.processor = self.engine.processor
-        self.tools = [t.schema for t in all_tools().values()]
+        self.tools = offered_tools(cfg.offer)
         self.client = self._client()
         self.agent_cfg = AgentConfig(max_turns=cfg.max_turns, max_new_tokens=cfg.max_new_tokens,
                                      max_episode_tokens=cfg.max_episode_tokens, k=cfg.k,
@@ -217,11 +229,10 @@ async def _eval_episodes(model_dir: str, questions: list[dict[str, Any]], image_
     from osvl.agent.judge import answer_reward
     from osvl.agent.loop import AgentConfig, run_episode
     from osvl.tools.client import make_client
-    from osvl.tools.registry import all_tools
 
     engine = make_engine(cfg.engine, model_dir, max_batch=cfg.max_batch)
     client = make_client("inprocess")
-    tools = [t.schema for t in all_tools().values()]
+    tools = offered_tools(cfg.offer)
     agent = AgentConfig(max_turns=cfg.max_turns, max_new_tokens=cfg.max_new_tokens,
                         max_episode_tokens=cfg.max_episode_tokens, k=cfg.k, stop_on_fatal=cfg.stop_on_fatal,
                         temperature=0.0)

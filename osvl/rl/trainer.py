@@ -133,8 +133,12 @@ class Monitor(threading.Thread):
 
 def train(parts: GRPOParts, model_dir: str | Path, questions: list[dict[str, Any]], question_image_dir: str | Path,
           out: Path, log: Callable[[str], None] = print, print_row: Callable[[dict], None] | None = None,
-          ) -> dict[str, Any]:
-    """Run (or resume) GRPO into ``out``; returns a summary with the step log and the accounting."""
+          actor_prefix: str = "") -> dict[str, Any]:
+    """Run (or resume) GRPO into ``out``; returns a summary with the step log and the accounting.
+
+    ``actor_prefix``: when set, the buffer and rollout actors are named ``<prefix>buffer``,
+    ``<prefix>rollout0``, ... (``ray.get_actor``), for inspection and fault injection.
+    """
     import ray
 
     from osvl.cluster import init_ray
@@ -152,7 +156,8 @@ def train(parts: GRPOParts, model_dir: str | Path, questions: list[dict[str, Any
     image_dir = out / "images"
     log_path = out / "steps.jsonl"
     resume = ckpt.latest(ckpt_root)
-    buffer = ray.remote(TrajectoryBuffer).options(num_cpus=0).remote(
+    named = (lambda n: {"name": actor_prefix + n}) if actor_prefix else (lambda n: {})  # noqa: E731
+    buffer = ray.remote(TrajectoryBuffer).options(num_cpus=0, **named("buffer")).remote(
         len(questions), tc.groups_per_step, tc.steps, tc.max_staleness, parts.run.seed, tc.max_attempts)
     if resume is not None:
         ray.get(buffer.load_state.remote(ckpt.load_buffer_state(resume), tc.steps))
@@ -164,7 +169,7 @@ def train(parts: GRPOParts, model_dir: str | Path, questions: list[dict[str, Any
     questions_ref = ray.put(questions)
 
     def make_actor(name: str) -> Any:
-        return ray.remote(RolloutWorker).options(num_cpus=rc.cpus_per_actor, max_restarts=0).remote(
+        return ray.remote(RolloutWorker).options(num_cpus=rc.cpus_per_actor, max_restarts=0, **named(name)).remote(
             name, rc, str(model_dir), questions_ref, str(question_image_dir), str(image_dir), buffer, store,
             parts.rl.group_size, parts.rl.mask_at)
 
