@@ -147,3 +147,28 @@ def test_hard_mask_parameter_gradient_ignores_the_fatal_rows(model_and_batch):
     ids[0][gen0] = (ids[0][gen0] + 7) % 1000
     changed = param_grads(dict(batch, input_ids=ids))
     assert torch.allclose(base, changed, atol=1e-7)
+
+
+def test_non_finite_step_is_skipped_and_bounds_stop_the_run(model_and_batch):
+    """A NaN reward makes the loss NaN: the step is skipped and counted, the weights are untouched.
+    Entropy outside its bound stops the run with TrainingDiverged naming the knob."""
+    from osvl.errors import TrainingDiverged
+    from osvl.rl.learner import Learner
+
+    model, batch = model_and_batch
+    with torch.no_grad():
+        logp, _ = forward_logprobs(model, batch)
+    b = dict(batch, old_logprobs=logp)
+    learner = Learner(model, RLConfig(beta=0.0, lr=1e-3))
+    before = [p.detach().clone() for p in model.parameters()]
+    res = learner.step(dict(b, reward=torch.tensor([float("nan")] + [0.5] * 7)))
+    assert res.skipped and learner.skipped == 1 and learner.step_count == 0
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))
+    res = learner.step(b)
+    assert not res.skipped and learner.step_count == 1 and res.entropy > 0
+    assert any(not torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))
+    with pytest.raises(TrainingDiverged, match="entropy_max"):
+        Learner(model, RLConfig(beta=0.0, lr=0.0, entropy_max=res.entropy / 2)).step(b)
+    with torch.no_grad():  # leave the shared model as the other tests found it
+        for p, q in zip(model.parameters(), before, strict=True):
+            p.copy_(q)

@@ -343,7 +343,8 @@ def train_loop(config: dict[str, Any]) -> None:
             if (step + 1) % config["ckpt_every"] == 0 or step + 1 == config["steps"]:
                 if world > 1:
                     dist.barrier()
-                ckpt.save(engine, Path(config["ckpt_root"]), step + 1, learner, buffer, processor, rank, world)
+                ckpt.save(engine, Path(config["ckpt_root"]), step + 1, learner, buffer, processor, rank, world,
+                          keep=config["keep"])
             if rank == 0:
                 row = step_row(step, groups, res, wait_s, sync_s, ray.get(buffer.stats.remote()))
                 log.write(json.dumps(row) + "\n")

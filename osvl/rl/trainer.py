@@ -19,6 +19,7 @@ and resumes from the latest checkpoint.
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -149,8 +150,11 @@ def train(parts: GRPOParts, model_dir: str | Path, questions: list[dict[str, Any
     from osvl.rl.weights import WeightStore
     from osvl.train.deepspeed import make_trainer
 
-    init_ray()
     tc, rc = parts.train, parts.rollout
+    # what the actors and workers reserve, plus one for Ray Train's controller: on a 2-core
+    # machine the demo asks for 3 logical CPUs (the cores are shared, not oversubscribed by much)
+    need = int(rc.num_actors * rc.cpus_per_actor + parts.learner.num_workers * parts.learner.threads_per_worker) + 1
+    init_ray(num_cpus=max(need, os.cpu_count() or 1))
     ckpt_root = out / "checkpoints"
     ckpt_root.mkdir(parents=True, exist_ok=True)
     image_dir = out / "images"

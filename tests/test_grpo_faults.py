@@ -1,0 +1,169 @@
+"""GRPO under faults, for real (local Ray, Ray Train + DeepSpeed learner, HF engine, in-process tools).
+
+1. A rollout actor killed while its groups are in flight: every issued group id is consumed by exactly
+   one learner step or logged as dropped with a reason, and the killed actor's groups are re-issued.
+2. The job SIGKILLed after a checkpoint and rerun: step count, policy version, data cursor, weights and
+   Adam moments continue exactly from what the checkpoint holds.
+
+The policy is the tiny agent checkpoint of ``osvl.agent.scripted`` (it calls crop and text_search, then
+answers), so rewards differ within a group and the learner's gradients and Adam moments are not zero.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from osvl.config import RunConfig
+from osvl.rl.learner import RLConfig
+from osvl.rl.rollout import RolloutConfig
+from osvl.rl.trainer import GRPOParts, LearnerConfig, TrainConfig, read_questions, train
+
+pytestmark = pytest.mark.slow
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def questions_dir(tmp_path_factory) -> Path:
+    """A synthesize-shaped folder (rl/heldout.parquet + images/) with the agent's own picture questions."""
+    from PIL import Image
+
+    from osvl.agent.scripted import PLANS, picture
+
+    out = tmp_path_factory.mktemp("questions")
+    (out / "images").mkdir()
+    rows = []
+    for i, (question, answer, _, _) in enumerate(PLANS):
+        name = f"pic{i}.png"
+        Image.fromarray(picture(i)).save(out / "images" / name)
+        rows.append({"id": f"q{i}", "question": question, "answer": answer, "answer_aliases": [],
+                     "images": [name], "path": [{"title": answer}]})
+    for split in ("rl", "heldout"):
+        pq.write_table(pa.Table.from_pylist(rows), out / f"{split}.parquet")
+    return out
+
+
+@pytest.fixture(scope="module")
+def agent_model() -> Path:
+    from osvl.agent.scripted import tiny_agent_checkpoint
+
+    return tiny_agent_checkpoint()
+
+
+ROLLOUT = dict(num_actors=1, cpus_per_actor=1, groups_in_flight=2, max_turns=3, max_new_tokens=48,
+               max_episode_tokens=2048, offer=["crop", "text_search"])
+
+
+def test_killed_rollout_actor_groups_are_reissued_and_accounted_once(questions_dir, agent_model, tmp_path,
+                                                                      ray_cluster):
+    import ray
+
+    parts = GRPOParts(run=RunConfig(seed=1), rl=RLConfig(group_size=2, lr=1e-4, beta=0.0),
+                      rollout=RolloutConfig(**ROLLOUT), learner=LearnerConfig(),
+                      train=TrainConfig(steps=3, groups_per_step=2, max_staleness=1, ckpt_every=100))
+    prefix = f"faults-{os.getpid()}-"
+    result: dict = {}
+    run = threading.Thread(target=lambda: result.update(train(
+        parts, agent_model, read_questions(questions_dir / "rl.parquet"), questions_dir / "images", tmp_path,
+        log=lambda m: None, actor_prefix=prefix)))
+    run.start()
+    killed = False
+    deadline = time.time() + 240
+    while time.time() < deadline and run.is_alive() and not killed:
+        try:
+            ledger = ray.get(ray.get_actor(prefix + "buffer").ledger.remote())
+        except ValueError:  # not created yet
+            time.sleep(0.5)
+            continue
+        mine = [g for g, v in ledger.items() if v["state"] == "issued" and v["actor"] == "rollout0"]
+        if mine and any(v["state"] == "consumed" for v in ledger.values()):  # mid-run, groups in flight
+            ray.kill(ray.get_actor(prefix + "rollout0"))
+            killed = True
+        else:
+            time.sleep(0.2)
+    run.join(300)
+    assert killed, "no moment with groups in flight was seen"
+    assert not run.is_alive() and result, "the run did not finish after the kill"
+
+    ledger, rows = result["ledger"], result["rows"]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert result["restarts"] and result["restarts"][0].startswith("rollout0 -> rollout0~1")
+    reissued = {e.split()[1] for e in result["events"] if e.startswith("reissue")}
+    assert reissued, result["events"]
+    # exactly once: every issued id is consumed by one step's batch or dropped with a reason
+    trained = [g for r in rows for g in r["group_ids"]]
+    assert len(trained) == len(set(trained))
+    assert set(trained) == {g for g, v in ledger.items() if v["state"] == "consumed"}
+    for g, v in ledger.items():
+        assert v["state"] in ("consumed", "dropped"), (g, v)
+        assert v["state"] != "dropped" or v["reason"], (g, v)
+    assert len(ledger) == 6  # 3 steps x 2 groups, none issued twice under another id
+    for g in reissued:
+        assert ledger[g]["attempt"] >= 1 and ledger[g]["actor"].startswith("rollout0~"), (g, ledger[g])
+
+
+def _job(questions_dir: Path, model: Path, root: Path) -> list[str]:
+    return [sys.executable, str(REPO / "jobs" / "grpo.py"), f"--run.root={root}", "--run.name=resume",
+            f"--questions={questions_dir}", f"--model={model}", "--eval.n_heldout=0", "--rl.group_size=2",
+            "--rl.lr=1e-4", "--rl.beta=0.001", "--train.steps=6", "--train.groups_per_step=2",
+            "--train.max_staleness=1", "--train.ckpt_every=2", "--train.keep=3", "--rollout.groups_in_flight=2",
+            "--rollout.max_turns=3", "--rollout.max_new_tokens=48", "--rollout.max_episode_tokens=2048",
+            "--rollout.offer=crop,text_search"]
+
+
+def test_job_killed_after_checkpoint_resumes_exactly(questions_dir, agent_model, tmp_path):
+    cmd = _job(questions_dir, agent_model, tmp_path)
+    env = {**os.environ, "RAY_ADDRESS": ""}  # its own local cluster, as a user's rerun would get
+    out = tmp_path / "grpo" / "resume"
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    try:
+        deadline = time.time() + 300
+        while time.time() < deadline and proc.poll() is None and not (out / "checkpoints" / "step_000002").is_dir():
+            time.sleep(0.2)
+        assert proc.poll() is None, "the run ended before its first checkpoint"
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    time.sleep(2)
+    ckpt = max(p for p in (out / "checkpoints").iterdir() if p.name.startswith("step_"))
+    saved_step = int(ckpt.name.split("_")[1])
+    assert saved_step < 6
+    saved_probe = json.loads((ckpt / "probe.json").read_text())
+    saved_buffer = pickle.loads((ckpt / "buffer.pkl").read_bytes())
+
+    done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert f"resuming from {ckpt.name}" in done.stdout
+    # weights and Adam moments right after loading are bit-identical to what was saved
+    resumed_probe = json.loads((out / "checkpoints" / "resume_probe.json").read_text())
+    assert resumed_probe == saved_probe
+    assert saved_probe["step"] == saved_step  # the policy version continues from the checkpoint
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["resumed_from"] == ckpt.name
+    rows = [json.loads(x) for x in (out / "steps.jsonl").read_text().splitlines()]
+    after = [r["step"] for r in rows][-(6 - saved_step):]
+    assert after == list(range(saved_step + 1, 7))  # the step count continues to the end
+    # the data cursor continues: slots consumed before the checkpoint are not trained again, and the
+    # resumed steps train the slots that follow, with the same questions the cursor assigns
+    before = {f"g{n}" for n, s in saved_buffer["slots"].items() if s["state"] == "consumed"}
+    trained_after = [g for r in rows[-(6 - saved_step):] for g in r["group_ids"]]
+    assert not before & set(trained_after)
+    assert {int(g[1:]) // 2 for g in trained_after} <= set(range(saved_step, 6))
+    ledger = summary["ledger"]
+    assert all(ledger[g]["state"] == "consumed" for g in before)
+    for r in rows[-(6 - saved_step):]:
+        assert min(r["versions"]) >= r["step"] - 1 - 1  # staleness 1 from the resumed version on
