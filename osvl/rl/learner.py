@@ -71,8 +71,8 @@ class StepLoss:
     adv: torch.Tensor          # (B,) advantages after the mode (clamp applied)
     raw_adv: torch.Tensor      # (B,) normalised rewards before the clamp
     mask: torch.Tensor         # (B, T) the training mask M
-    clamped: int               # fatal rows whose negative advantage the clamp set to 0
-    kept_positive: int         # fatal rows whose advantage was >= 0 and kept
+    clamped: int               # fatal rows with a negative normalised reward (set to 0 where the mode clamps)
+    kept_positive: int         # fatal rows with a positive normalised reward (kept)
     n_fatal: int
 
 
@@ -94,8 +94,10 @@ def grpo_loss(logp: torch.Tensor, batch: Mapping[str, torch.Tensor], cfg: RLConf
     out = policy_loss(logp, batch["old_logprobs"].to(logp.dtype), adv, mask, weight, eps_low=cfg.eps_low,
                       eps_high=cfg.eps_high, ref_logp=ref_logp, beta=cfg.beta, aggregation=cfg.aggregation,
                       gen_mask=gen)
-    clamped = int((fatal & (raw < 0)).sum()) if mode.clamp_fatal else 0
-    kept = int((fatal & (raw > 0)).sum()) if mode.clamp_fatal else 0  # a 0 advantage is neither
+    # the clamp split: fatal rows whose normalised reward is negative (the clamp sets them to 0) vs
+    # positive (kept); counted in every mode, so the ablations report what the clamp would do
+    clamped = int((fatal & (raw < 0)).sum())
+    kept = int((fatal & (raw > 0)).sum())  # a 0 advantage is neither
     return StepLoss(out=out, adv=adv, raw_adv=raw, mask=mask, clamped=clamped, kept_positive=kept,
                     n_fatal=int(fatal.sum()))
 

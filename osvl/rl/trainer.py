@@ -29,6 +29,7 @@ from typing import Any
 
 from osvl.config import RunConfig, opt
 from osvl.rl.learner import RLConfig
+from osvl.rl.loss import MODES
 from osvl.rl.rollout import RolloutConfig
 
 JOB = "grpo"
@@ -44,6 +45,8 @@ class LearnerConfig:
     use_gpu: bool = opt(False, "Learner workers on GPUs (NCCL, one GPU each).", hashed=False)
     max_failures: int = opt(1, "Ray Train restarts of a failed learner worker group (resumes from the checkpoint).",
                             hashed=False)
+    weights: str = opt("object_store", "How weights reach the rollout actors: object_store (CPU and GPU, any "
+                       "engine) or nccl (GPU broadcast into vLLM; not implemented yet).", hashed=False)
 
 
 @dataclass
@@ -147,9 +150,10 @@ def train(parts: GRPOParts, model_dir: str | Path, questions: list[dict[str, Any
     from osvl.rl.buffer import TrajectoryBuffer
     from osvl.rl.learner import train_loop
     from osvl.rl.rollout import RolloutWorker
-    from osvl.rl.weights import WeightStore
+    from osvl.rl.weights import WeightStore, check_transport
     from osvl.train.deepspeed import make_trainer
 
+    check_transport(parts.learner.weights)
     tc, rc = parts.train, parts.rollout
     # what the actors and workers reserve, plus one for Ray Train's controller: on a 2-core
     # machine the demo asks for 3 logical CPUs (the cores are shared, not oversubscribed by much)
@@ -374,8 +378,9 @@ def run(cfg: GRPOConfig, log: Callable[[str], None] = print) -> dict[str, Any]:
     log(f"  mean reward, first 10 steps: {summary['first_mean']:.4f} ± {summary['first_se']:.4f} (SE); "
         f"last 10: {summary['last_mean']:.4f} ± {summary['last_se']:.4f}; "
         f"{'higher by more than 2 SE' if summary['improved'] else 'NOT higher by more than 2 SE'}")
-    log(f"  fatal trajectories: {summary['clamped'] + summary['kept_positive']} under the clamp: "
-        f"{summary['clamped']} clamped to 0, {summary['kept_positive']} kept positive"
+    applied = "" if MODES[cfg.rl.mode].clamp_fatal else " (this mode does not apply the clamp)"
+    log(f"  clamp split{applied}: of {summary['clamped'] + summary['kept_positive']} fatal trajectories with a "
+        f"non-zero advantage, {summary['clamped']} negative -> clamped to 0, {summary['kept_positive']} positive kept"
         + (f" ({summary['clamped_share']:.1%} / {1 - summary['clamped_share']:.1%})"
            if summary["clamped"] + summary["kept_positive"] else "")
         + f"; mean fatal rate {summary['fatal_rate']:.2f}")
