@@ -36,7 +36,7 @@ def first_prompts(heldout: Path, n: int, processor) -> list[tuple[list[int], lis
     from osvl.agent.trajectory import TrajectoryBuilder
     from osvl.tools.registry import all_tools
 
-    tools = [t.schema() for t in all_tools().values()]
+    tools = [t.schema for t in all_tools().values()]
     rows = pq.read_table(heldout, columns=["question", "images"]).to_pylist()[:n]
     out = []
     for row in rows:
@@ -54,7 +54,7 @@ def first_prompts(heldout: Path, n: int, processor) -> list[tuple[list[int], lis
     return out
 
 
-def first_turns(model_dir: str, heldout: Path, n: int, max_new_tokens: int = 192) -> list[str]:
+def first_turns(model_dir: str, heldout: Path, n: int, max_new_tokens: int = 128) -> list[str]:
     """Greedy first assistant turns of the model in ``model_dir`` on ``n`` held-out questions."""
     from osvl.agent.engines.base import GenRequest, Sampling
     from osvl.agent.engines.hf import HFEngine

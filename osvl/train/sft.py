@@ -260,17 +260,20 @@ def train_loop(config: dict) -> None:
     job = {"job": JOB}
     rows_per_micro = world * cfg.micro_batch
     micro_per_epoch = config["train_rows"] // rows_per_micro
-    t_start, t_last, tok_since = time.time(), time.time(), 0
+    t_start = t_last = t_step = time.time()
+    tok_since = 0
     val_loss = float("nan")
 
     def finish_step(loss: float, grad_norm: float, tokens: int, cut: int, dropped: int) -> None:
-        nonlocal t_last, tok_since, val_loss
+        nonlocal t_last, t_step, tok_since, val_loss
         tok_since += tokens
+        step_s = time.time() - t_step  # forward/backward/step only: validation and checkpoints come after
         is_last = step == total
         if cfg.val_every and step % cfg.val_every == 0 or is_last:
             val_loss = validate(engine, val_ds, image_dir, processor, cfg, rank, world) if val_rows else val_loss
         lr = sched.get_last_lr()[0]
-        log = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "truncated": cut, "dropped": dropped}
+        log = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": tokens, "step_s": step_s,
+               "truncated": cut, "dropped": dropped}
         if not math.isnan(val_loss):
             log["val_loss"] = val_loss
         if rank == 0:
@@ -297,6 +300,7 @@ def train_loop(config: dict) -> None:
                 ray.train.report(log, checkpoint=ray.train.Checkpoint.from_directory(d))
             if rank == 0:
                 print(f"sft: checkpoint step {step}", flush=True)
+        t_step = time.time()
 
     micro_done = step * cfg.grad_accum  # global micro-batches consumed before this run
     epoch = micro_done // max(1, micro_per_epoch)
@@ -345,23 +349,26 @@ def resolve_data(cfg: SftConfig, out: Path, model_dir: str) -> Path:
     from osvl.config import REPO_ROOT
 
     if cfg.data.sharegpt:
-        from osvl.agent import release
+        from osvl.agent.release import import_sharegpt
+        from osvl.agent.trajectory import write_trajectories
+        from osvl.models.load import load_processor
 
         folder = out / "imported"
         if not (folder / "trajectories.parquet").exists():
-            release.import_sharegpt(cfg.data.sharegpt, folder, model_dir)
+            trajs, images = import_sharegpt(cfg.data.sharegpt, load_processor(model_dir))
+            write_trajectories(folder, trajs, images)
         return folder
     if cfg.data.trajectories:
         p = Path(cfg.data.trajectories)
         return p if p.is_absolute() else REPO_ROOT / p
-    import importlib.util
+    from osvl.agent.expert import JOB as TRAJ_JOB
+    from osvl.agent.expert import TrajConfig
+    from osvl.agent.expert import run as make_trajectories
+    from osvl.config import parse_args
 
-    spec = importlib.util.spec_from_file_location("osvl_jobs_trajectories", REPO_ROOT / "jobs" / "trajectories.py")
-    if spec is None or spec.loader is None:
-        raise ConfigError("data.trajectories is empty and jobs/trajectories.py is missing")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return Path(mod.main([f"--run.root={cfg.run.root}", f"--run.seed={cfg.run.seed}"]))
+    traj_cfg = parse_args(TrajConfig, TRAJ_JOB, [f"--run.root={cfg.run.root}", f"--run.seed={cfg.run.seed}"])
+    folder, _ = make_trajectories(traj_cfg, log=print)
+    return Path(folder)
 
 
 def total_steps(cfg: SftConfig, train_rows: int) -> int:
