@@ -118,3 +118,21 @@ def test_state_round_trip_reissues_what_was_in_flight():
 def test_bad_sizes(bad):
     with pytest.raises(ValueError):
         TrajectoryBuffer(total_steps=1, **bad)
+
+
+def test_rewind_for_a_restarted_learner():
+    async def go():
+        b = TrajectoryBuffer(n_questions=3, groups_per_step=1, total_steps=3, max_staleness=1)
+        w = await b.acquire("a")
+        assert b.begin_learner() == 0
+        await b.put("a", w.slot, 0, _group(w, 0))
+        assert len(await b.take(0)) == 1
+        assert b.begin_learner() == 1  # the learner died before its first checkpoint
+        await b.rewind(None)
+        again = await b.acquire("b")
+        assert (again.slot, again.attempt) == (0, 1)  # step 0's group is generated and trained again, once
+        assert await b.put("a", w.slot, 0, _group(w, 0)) == "duplicate"
+        await b.put("b", again.slot, 1, _group(again, 0))
+        return await b.take(0)
+
+    assert len(run(go())) == 1

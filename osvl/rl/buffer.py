@@ -224,6 +224,24 @@ class TrajectoryBuffer:
             self.log.append(f"aborted: {reason}")
             self.cond.notify_all()
 
+    def begin_learner(self) -> int:
+        """Called by the learner when it starts; returns how many times it started before.
+
+        The first call keeps a snapshot of the buffer: a learner restarted before its first
+        checkpoint rewinds to it, so no step's groups are trained twice.
+        """
+        self._learner_starts = getattr(self, "_learner_starts", 0) + 1
+        if self._learner_starts == 1:
+            self._initial = self.state()
+        return self._learner_starts - 1
+
+    async def rewind(self, st: dict[str, Any] | None) -> None:
+        """Back to a checkpoint's state (or to the snapshot of the learner's first start)."""
+        async with self.cond:
+            self.load_state(st if st is not None else self._initial, self.total_steps)
+            self.log.append("rewound for a restarted learner")
+            self.cond.notify_all()
+
     async def advance(self, version: int) -> None:
         """The learner published ``version``: slots up to step version + max_staleness become issuable."""
         async with self.cond:

@@ -307,10 +307,12 @@ def train_loop(config: dict[str, Any]) -> None:
     learner = Learner(engine.module, cfg, engine=engine, ref_model=ref)
     buffer, store = config["buffer"], config["store"]
     resume = ckpt.latest(Path(config["ckpt_root"]))
-    if resume is not None and str(resume) != config["resume"] and rank == 0:
-        # a restarted worker group (FailureConfig): the buffer moved on since the checkpoint, so it
-        # goes back to the checkpoint's state too (in-flight answers are then refused as duplicates)
-        ray.get(buffer.load_state.remote(ckpt.load_buffer_state(resume)))
+    if rank == 0 and ray.get(buffer.begin_learner.remote()) > 0:
+        # a restarted worker group (FailureConfig): the buffer moved on since the checkpoint (or the
+        # start), so it goes back there too; answers then in flight are refused as duplicates
+        ray.get(buffer.rewind.remote(ckpt.load_buffer_state(resume) if resume is not None else None))
+    if world > 1:
+        dist.barrier()
     if resume is not None:
         client = ckpt.load_learner(engine, resume)
         learner.step_count, learner.skipped = client["step"], client["skipped"]
@@ -395,8 +397,9 @@ def record_metrics(row: Mapping[str, Any]) -> None:
     for age, count in row["staleness"].items():
         M.metric(M.RL_STALENESS).set(count, tags={"staleness": str(age)})
     if "loss" in row:
-        M.metric(M.RL_CLAMPED).inc(row["clamped"], tags={"split": "clamped"})
-        M.metric(M.RL_CLAMPED).inc(row["kept_positive"], tags={"split": "kept_positive"})
+        for split in ("clamped", "kept_positive"):
+            if row[split] > 0:  # Ray counters refuse inc(0)
+                M.metric(M.RL_CLAMPED).inc(row[split], tags={"split": split})
         M.metric(M.TRAIN_LOSS).set(row["loss"], tags={"job": "grpo"})
         M.metric(M.TRAIN_GRAD_NORM).set(row["grad_norm"], tags={"job": "grpo"})
         M.metric(M.RL_KL).set(row["kl"])
