@@ -14,8 +14,8 @@ makes one honestly, without forced decoding:
    checkpoint directory, cached under ``$OSVL_CACHE`` keyed by a hash of this file and the
    base model, so it is built once (about a minute on 2 cores).
 
-Sampled at temperature 1.0 the result calls crop, then text_search, then answers, with
-thoughts of different lengths per question: multi-turn episodes with a tool-returned image.
+Sampled at temperature 1.0 the result mostly calls crop, then text_search, then answers:
+multi-turn episodes with a tool-returned image, of different lengths per question.
 """
 
 from __future__ import annotations
@@ -34,31 +34,22 @@ from osvl.agent import format as fmt
 from osvl.agent.engines.base import Sampling
 
 AGENT_TOOLS = ("crop", "text_search")
-# (question, answer, query, thought before each of the three turns); thoughts differ in length on
-# purpose, so sampled episodes differ in length too.
+# (question, answer, text_search query). The thoughts are the same for every question so that a
+# few hundred steps teach the format; queries and answers differ in length, so sampled episodes do.
 PLANS = [
-    ("Which tower is shown in the image?", "Eiffel Tower", "Eiffel Tower",
-     ("Look closer at the top left.", "Search for the tower.", "Found it.")),
-    ("What amphitheatre does the picture show?", "Colosseum", "Colosseum Rome",
-     ("The corner may hold a clue, so crop it and inspect the shape carefully.",
-      "Now search the text index for the amphitheatre in Rome.", "The search names it clearly.")),
-    ("Who designed the building in the photo?", "Gustave Eiffel", "Eiffel Tower architect",
-     ("Crop first.", "Search the architect of the tower in Paris, France, which the crop suggests.",
-      "The results name the engineer, so answer with him.")),
-    ("In which city is the monument in the image?", "Paris", "Eiffel Tower city",
-     ("Zoom into the upper left part of the image to see the monument better.", "Search.",
-      "It is in Paris.")),
-    ("Which river flows past the city in the photo?", "Seine", "Paris river Seine",
-     ("Crop the region.", "Search for the river of the city.",
-      "The text says the Seine flows through the city, so that is the answer to give.")),
-    ("What is the name of the statue in the picture?", "Statue of Liberty", "Statue of Liberty New York",
-     ("A quick crop.", "Query the statue.", "Answer.")),
+    ("Which tower is shown in the image?", "Eiffel Tower", "Eiffel Tower"),
+    ("What amphitheatre does the picture show?", "Colosseum", "Colosseum amphitheatre in Rome"),
+    ("Who designed the building in the photo?", "Gustave Eiffel", "architect of the Eiffel Tower in Paris"),
+    ("In which city is the monument in the image?", "Paris", "city of the Eiffel Tower"),
+    ("Which river flows past the city in the photo?", "Seine", "river of Paris"),
+    ("What is the name of the statue in the picture?", "Statue of Liberty", "Statue of Liberty in New York"),
 ]
+THOUGHTS = ("Crop the image to look closer.", "Search for it.", "The search result names it.")
 CROP = {"x": 0, "y": 0, "width": 64, "height": 48}
 PICTURE_SHAPE = (96, 128, 3)
 SEED = 0
-TRAIN_STEPS = 150
-LR = 5e-3
+TRAIN_STEPS = 200
+LR = 8e-3
 
 
 class ScriptedTeacher:
@@ -84,7 +75,8 @@ class ScriptedTeacher:
 def agent_plans() -> dict[str, list[str]]:
     """The fine-tuning script: crop img_1, text_search, respond; per question of ``PLANS``."""
     plans = {}
-    for question, answer, query, (t0, t1, t2) in PLANS:
+    t0, t1, t2 = THOUGHTS
+    for question, answer, query in PLANS:
         plans[question] = [
             fmt.assistant_text(t0, tool_call={"name": "crop", "arguments": {"image": "img_1", **CROP}}),
             fmt.assistant_text(t1, tool_call={"name": "text_search", "arguments": {"query": query, "top_k": 1}}),
@@ -136,7 +128,7 @@ async def _teacher_records(processor: Any) -> list[tuple[Any, list[np.ndarray]]]
     client = ToolClient(InProcessTransport(tools))
     cfg = AgentConfig(max_turns=4, max_episode_tokens=2048)
     out = []
-    for i, (question, answer, _, _) in enumerate(PLANS):
+    for i, (question, answer, _) in enumerate(PLANS):
         row = {"id": f"scripted-{i}", "question": question, "answer": answer, "answer_aliases": []}
         store: dict[str, np.ndarray] = {}
         t = await run_episode(teacher, row, [picture(i)], client, cfg, processor=processor, tools=schemas,
