@@ -73,6 +73,8 @@ class ToolOptions:
     cache: str = opt("replay", "Tool record/replay cache mode (osvl.tools.cache): the rollouts of one question "
                                "run one after another, so the later ones replay the first one's image search.",
                      hashed=False)
+    cache_dir: str = opt("", "Tool-cache recordings folder; empty = <OSVL_CACHE or run root>/cache/tool_calls.",
+                         hashed=False)
 
 
 def _agent_defaults() -> AgentConfig:
@@ -168,12 +170,12 @@ class CachedInProcess:
     answer; the reverse image search (about 0.3-1 s on 2 cores) is what it saves.
     """
 
-    def __init__(self, mode: str) -> None:
+    def __init__(self, mode: str, root: str = "") -> None:
         from osvl.tools.cache import ToolCache
         from osvl.tools.client import InProcessTransport
 
         self.inner = InProcessTransport()
-        self.cache = ToolCache(mode=mode)
+        self.cache = ToolCache(root or None, mode=mode)
 
     async def call(self, name: str, arguments: Any, images: Any, new_image_name: str, timeout_s: float) -> Any:
         from osvl.tools.base import ToolContext, ToolResult
@@ -254,7 +256,7 @@ class ShardWorker:
         store: dict[str, np.ndarray] = {}
         from osvl.tools.client import ToolClient
 
-        client = ToolClient(CachedInProcess(cfg.tools.cache), timeout_s=120.0)
+        client = ToolClient(CachedInProcess(cfg.tools.cache, cfg.tools.cache_dir), timeout_s=120.0)
 
         async def rollout(row: dict[str, Any], image: np.ndarray, k: int) -> Any:
             from osvl.agent.teacher import PathOracle
