@@ -39,7 +39,7 @@ def questions_dir(tmp_path_factory) -> Path:
     """A synthesize-shaped folder (rl/heldout.parquet + images/) with the agent's own picture questions."""
     from PIL import Image
 
-    from osvl.agent.scripted import PLANS, picture
+    from osvl.agent.scripted import PLANS, agent_tools, picture
 
     out = tmp_path_factory.mktemp("questions")
     (out / "images").mkdir()
@@ -51,6 +51,8 @@ def questions_dir(tmp_path_factory) -> Path:
                      "images": [name], "path": [{"title": answer}]})
     for split in ("rl", "heldout"):
         pq.write_table(pa.Table.from_pylist(rows), out / f"{split}.parquet")
+    # the short tool descriptions the agent checkpoint was fine-tuned with (it fails on the long ones)
+    (out / "schemas.json").write_text(json.dumps([t.schema for t in agent_tools().values()]))
     return out
 
 
@@ -122,7 +124,7 @@ def _job(questions_dir: Path, model: Path, root: Path) -> list[str]:
             "--rl.lr=1e-4", "--rl.beta=0.001", "--train.steps=6", "--train.groups_per_step=2",
             "--train.max_staleness=1", "--train.ckpt_every=2", "--train.keep=3", "--rollout.groups_in_flight=2",
             "--rollout.max_turns=3", "--rollout.max_new_tokens=48", "--rollout.max_episode_tokens=2048",
-            "--rollout.offer=crop,text_search"]
+            "--rollout.offer=crop,text_search", f"--rollout.schemas={questions_dir / 'schemas.json'}"]
 
 
 def test_job_killed_after_checkpoint_resumes_exactly(questions_dir, agent_model, tmp_path):

@@ -47,6 +47,9 @@ class RolloutConfig:
                                 hashed=False)
     tools: str = opt("inprocess", "Tool transport: inprocess (in the actor) or handle (Ray Serve deployments).")
     offer: list[str] = opt([], "Tools offered to the policy, by name; empty = every registered tool.")
+    schemas: str = opt("", "JSON file with the tool schemas to show the policy (a list of OpenAI-style function "
+                           "schemas, e.g. the shorter descriptions a model was fine-tuned with); empty = the "
+                           "registry's. Calls still run the registered tools.")
     tool_latency_s: float = opt(0.0, "Extra simulated latency added to every tool call (benchmarks), seconds.")
     max_turns: int = opt(6, "Agent budget: assistant turns per episode.")
     max_new_tokens: int = opt(96, "Agent budget: tokens per assistant turn.")
@@ -80,16 +83,22 @@ def question_images(image_dir: Path, row: dict[str, Any]) -> list:
     return out
 
 
-def offered_tools(names: list[str]) -> list[dict[str, Any]]:
-    """JSON schemas of the tools the policy is offered (all registered ones when ``names`` is empty)."""
+def offered_tools(names: list[str], schema_file: str = "") -> list[dict[str, Any]]:
+    """JSON schemas of the tools the policy is offered (all registered ones when ``names`` is empty),
+    from the registry or from ``schema_file``; every offered name must be a registered tool."""
+    import json
+
     from osvl.errors import ConfigError
     from osvl.tools.registry import all_tools
 
     tools = all_tools()
-    unknown = sorted(set(names) - set(tools))
+    schemas = ([t.schema for t in tools.values()] if not schema_file
+               else json.loads(Path(schema_file).read_text()))
+    by_name = {s["function"]["name"]: s for s in schemas}
+    unknown = sorted((set(names) | set(by_name)) - set(tools))
     if unknown:
-        raise ConfigError(f"rollout.offer: unknown tools {unknown}; registered: {sorted(tools)}")
-    return [t.schema for n, t in tools.items() if not names or n in names]
+        raise ConfigError(f"rollout.offer/schemas: unknown tools {unknown}; registered: {sorted(tools)}")
+    return [s for n, s in by_name.items() if not names or n in names]
 
 
 class RolloutWorker:
@@ -111,7 +120,7 @@ class RolloutWorker:
         self.image_dir.mkdir(parents=True, exist_ok=True)
         self.engine = make_engine(cfg.engine, model_dir, max_batch=cfg.max_batch, version=-1)
         self.processor = self.engine.processor
-        self.tools = offered_tools(cfg.offer)
+        self.tools = offered_tools(cfg.offer, cfg.schemas)
         self.client = self._client()
         self.agent_cfg = AgentConfig(max_turns=cfg.max_turns, max_new_tokens=cfg.max_new_tokens,
                                      max_episode_tokens=cfg.max_episode_tokens, k=cfg.k,
@@ -232,7 +241,7 @@ async def _eval_episodes(model_dir: str, questions: list[dict[str, Any]], image_
 
     engine = make_engine(cfg.engine, model_dir, max_batch=cfg.max_batch)
     client = make_client("inprocess")
-    tools = offered_tools(cfg.offer)
+    tools = offered_tools(cfg.offer, cfg.schemas)
     agent = AgentConfig(max_turns=cfg.max_turns, max_new_tokens=cfg.max_new_tokens,
                         max_episode_tokens=cfg.max_episode_tokens, k=cfg.k, stop_on_fatal=cfg.stop_on_fatal,
                         temperature=0.0)
