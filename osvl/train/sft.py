@@ -398,9 +398,6 @@ def loss_curve(log_file: Path, width: int = 60) -> str:
 
 def run(cfg: SftConfig, *, log: Any = print) -> dict[str, Any]:
     """Train (resuming if this run folder has checkpoints), export the HF model, run the format check."""
-    import ray
-    import ray.train
-
     from osvl.cluster import init_ray
     from osvl.config import run_dir, to_dict
     from osvl.models.tiny import tiny_checkpoint
@@ -451,7 +448,6 @@ def run(cfg: SftConfig, *, log: Any = print) -> dict[str, Any]:
         if held is None:
             log("sft: no heldout.parquet found; format check skipped")
         else:
-            ray.shutdown()  # free the CPUs for generation
             before = format_check(model_dir, held, cfg.data.n_eval)
             after = format_check(str(model_out), held, cfg.data.n_eval)
             report["format_valid_before"], report["format_valid_after"] = before, after
