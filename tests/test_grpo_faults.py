@@ -156,6 +156,7 @@ def test_job_killed_after_checkpoint_resumes_exactly(questions_dir, agent_model,
     # weights and Adam moments right after loading are bit-identical to what was saved
     resumed_probe = json.loads((out / "checkpoints" / "resume_probe.json").read_text())
     assert resumed_probe == saved_probe
+    assert saved_probe["exp_avg_abs_sum"] > 0  # real Adam moments, not an untouched optimizer
     assert saved_probe["step"] == saved_step  # the policy version continues from the checkpoint
     summary = json.loads((out / "summary.json").read_text())
     assert summary["resumed_from"] == ckpt.name

@@ -131,5 +131,6 @@ def write_probe(engine: Any, path: Path, step: int) -> None:
     probe = {"step": step,
              "weights": tensor_digest([p for _, p in sorted(engine.module.state_dict().items())]),
              "exp_avg": tensor_digest(optimizer_tensors(inner, "exp_avg")),
-             "exp_avg_sq": tensor_digest(optimizer_tensors(inner, "exp_avg_sq"))}
+             "exp_avg_sq": tensor_digest(optimizer_tensors(inner, "exp_avg_sq")),
+             "exp_avg_abs_sum": float(sum(t.abs().sum() for t in optimizer_tensors(inner, "exp_avg")))}
     path.write_text(json.dumps(probe))
