@@ -48,10 +48,9 @@ def measure(staleness: int, steps: int, model: Path, qdir: Path, questions: list
 
 
 def main() -> None:
-    import ray
-
     import pyarrow as pa
     import pyarrow.parquet as pq
+    import ray
     from PIL import Image
 
     from osvl.agent.scripted import PLANS, agent_tools, picture, tiny_agent_checkpoint
