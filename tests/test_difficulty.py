@@ -41,7 +41,7 @@ def test_answer_in_is_whole_words():
     assert not answer_in("Thameside", "Thames", []) and answer_in("x", "nope", ["X"])
 
 
-def _finetune_on_planted(out, steps=80):
+def _finetune_on_planted(out, steps=50):
     import torch
     from PIL import Image
 
