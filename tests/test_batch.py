@@ -107,6 +107,7 @@ def test_truncation_cut_never_splits_an_image(tiny, records):
         collate(recs, image_dir, processor, max_len=10, truncation="middle")
 
 
+@pytest.mark.slow
 def test_token_logprobs_match_a_plain_forward(tiny, records):
     model, processor = tiny
     recs, image_dir = records
