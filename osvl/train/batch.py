@@ -154,8 +154,10 @@ def token_logprobs(model, batch: dict[str, torch.Tensor], temperature: float = 1
     """
     if temperature <= 0:
         raise DataError(f"temperature must be > 0 for log-probs, got {temperature}")
-    device = next(model.parameters()).device
-    inputs = {k: v.to(device) for k, v in model_inputs(batch).items()}
+    param = next(model.parameters())
+    # pixels follow the weights' dtype (a bf16 engine on GPU); token ids and masks keep theirs
+    inputs = {k: v.to(param.device, dtype=param.dtype if v.is_floating_point() else v.dtype)
+              for k, v in model_inputs(batch).items()}
     logits = model(**inputs, use_cache=False).logits[:, :-1].float()
     if temperature != 1.0:
         logits = logits / temperature
