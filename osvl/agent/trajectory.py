@@ -414,15 +414,16 @@ class TrajectoryBuilder:
         self.logprobs.extend(logprobs if logprobs is not None else [0.0] * len(ids))
         self.step_ids.extend([step] * len(ids))
 
-    def image_hashes(self) -> list[str]:
-        return [image_hash(a) for a in self.images]
+    def image_map(self) -> dict[str, np.ndarray]:
+        """content hash -> array of every image so far (what ``write_trajectories`` needs)."""
+        return {image_hash(a): a for a in self.images}
 
     def build(self, *, kind: str, **fields: Any) -> Trajectory:
         """The finished record; ``fields`` are the non-token fields of ``Trajectory``."""
         t = Trajectory(
             kind=kind, input_ids=list(self.input_ids), gen_mask=list(self.gen_mask),
             logprobs=list(self.logprobs) if kind == "policy" else [], step_ids=list(self.step_ids),
-            images=self.image_hashes(), image_max_pixels=list(self.image_max_pixels),
+            images=[image_hash(a) for a in self.images], image_max_pixels=list(self.image_max_pixels),
             processor=dict(self.settings), **fields)
         t.check()
         return t
