@@ -83,6 +83,9 @@ def main() -> None:
         print(json.dumps(one), flush=True)
         two = measure(data, Path(tmp) / "w2", 2, 1, args.steps)
         print(json.dumps(two), flush=True)
+    import ray
+
+    ray.shutdown()  # no worker log line may arrive after the headline
     print(json.dumps({"one_worker_tokens_per_s": one["tokens_per_s"], "two_workers_tokens_per_s": two["tokens_per_s"],
                       "ratio": round(two["tokens_per_s"] / one["tokens_per_s"], 3)}))
 
