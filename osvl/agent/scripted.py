@@ -23,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import shutil
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -203,22 +202,8 @@ def build_key() -> str:
 
 
 def tiny_agent_checkpoint(cache_dir: str | Path | None = None) -> Path:
-    """The cached fine-tuned tiny agent checkpoint, built first if missing (atomic rename, like tiny.py)."""
-    from osvl.models.tiny import cache_root
+    """The cached fine-tuned tiny agent checkpoint, built first if missing (atomic, like tiny.py)."""
+    from osvl.models.tiny import build_once, cache_root
 
     root = (Path(cache_dir) if cache_dir is not None else cache_root()) / "tiny"
-    final = root / f"qwen3_vl-agent-{build_key()}"
-    if final.is_dir():
-        return final
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=root))
-    try:
-        build(tmp)
-        try:
-            tmp.rename(final)
-        except OSError:
-            if not final.is_dir():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return final
+    return build_once(root / f"qwen3_vl-agent-{build_key()}", build)

@@ -177,24 +177,19 @@ def build(kind: str, out: Path) -> None:
     )
 
 
-def tiny_checkpoint(kind: str = "qwen3_vl", cache_dir: str | Path | None = None) -> Path:
-    """The cached tiny checkpoint directory of ``kind``, built first if missing.
+def build_once(final: Path, build_fn: Any) -> Path:
+    """``final``, built first by ``build_fn(tmp_dir)`` if missing.
 
     The build writes into a temporary sibling directory and renames it into place, and rename
     is atomic, so parallel processes either see a complete checkpoint or none; a process that
     loses the race discards its copy.
     """
-    if kind not in KINDS:
-        raise ConfigError(f"unknown tiny model kind {kind!r}; choose one of {', '.join(KINDS)}")
-    root = Path(cache_dir) if cache_dir is not None else cache_root()
-    root = root / "tiny"
-    final = root / f"{kind}-{build_key(kind)}"
     if final.is_dir():
         return final
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=root))
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
     try:
-        build(kind, tmp)
+        build_fn(tmp)
         try:
             tmp.rename(final)
         except OSError:
@@ -203,3 +198,11 @@ def tiny_checkpoint(kind: str = "qwen3_vl", cache_dir: str | Path | None = None)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return final
+
+
+def tiny_checkpoint(kind: str = "qwen3_vl", cache_dir: str | Path | None = None) -> Path:
+    """The cached tiny checkpoint directory of ``kind``, built first if missing (see ``build_once``)."""
+    if kind not in KINDS:
+        raise ConfigError(f"unknown tiny model kind {kind!r}; choose one of {', '.join(KINDS)}")
+    root = Path(cache_dir) if cache_dir is not None else cache_root()
+    return build_once(root / "tiny" / f"{kind}-{build_key(kind)}", lambda tmp: build(kind, tmp))
