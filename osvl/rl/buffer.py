@@ -131,13 +131,19 @@ class TrajectoryBuffer:
                     self.slots[w.slot] = _Slot(work=w, actor=actor)
                     self.next_slot += 1
                     return w
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
+                if not await self._wait(deadline):
                     return None
-                try:
-                    await asyncio.wait_for(self.cond.wait(), left)
-                except TimeoutError:
-                    return None
+
+    async def _wait(self, deadline: float | None) -> bool:
+        """Wait (holding ``self.cond``) for the next notify; False once ``deadline`` has passed."""
+        left = None if deadline is None else deadline - time.monotonic()
+        if left is not None and left <= 0:
+            return False
+        try:
+            await asyncio.wait_for(self.cond.wait(), left)
+        except TimeoutError:
+            return False
+        return True
 
     async def put(self, actor: str, slot: int, attempt: int, group: list[Any], error: str = "") -> str:
         """Admit a finished group; returns "ready" or the reason it was refused/dropped.
@@ -201,12 +207,7 @@ class TrajectoryBuffer:
             while not all(n in self.slots and self.slots[n].state in ("ready", "dropped") for n in range(lo, hi)):
                 if self.aborted:
                     raise RuntimeError(f"GRPO run aborted: {self.aborted}")
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    return None
-                try:
-                    await asyncio.wait_for(self.cond.wait(), left)
-                except TimeoutError:
+                if not await self._wait(deadline):
                     return None
             groups = []
             for n in range(lo, hi):
