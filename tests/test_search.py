@@ -170,6 +170,9 @@ def test_default_index_is_built_from_the_kg_anchors(tmp_path, monkeypatch):
     res = image_search_fn(ctx, image="img_1")
     titles = {e["title"] for e in index.entries if e["image"] == a["image"]}
     assert res.data["hits"] and res.data["hits"][0]["title"] in titles, res.text
+    # a hit shows a page snippet: the description, then the opening of the article
+    ent = pq.read_table(SAMPLE_DIR / "entities.parquet", filters=[("id", "=", a["entity_id"])]).to_pylist()[0]
+    assert res.data["hits"][0]["snippet"].startswith(f"{ent['description']}. {' '.join(ent['text'].split()[:4])}")
 
 
 # ---------------------------------------------------------------------------
@@ -230,6 +233,38 @@ def test_text_search_tool_contract(small_index):
                 {"query": "x", "top_k": 1.5}, {"top_k": 3}, {"query": "x", "image": "img_1"}):
         res = call_tool(tool, bad, ctx)
         assert not res.ok and res.error.kind == "invalid_call", bad
+
+
+def _entity(title, text="", attributes=(), categories=(), linked_from=()):
+    return {"title": title, "aliases": [], "description": f"Thing called {title}", "text": text,
+            "attributes": [{"key": k, "value": v} for k, v in attributes], "categories": list(categories),
+            "linked_from": list(linked_from)}
+
+
+def test_numbers_facts_links_and_query_centred_snippets():
+    """What the oracle's hops need: infobox numbers are searchable, a category plus the article that
+    mentions an entity finds it, and the snippet shows the matching sentence or fact, not the opening."""
+    filler = " ".join(f"Sentence number {w} says nothing in particular." for w in ("one", "two", "three", "four",
+                                                                                    "five", "six", "seven"))
+    ents = [
+        _entity("Sulfur", filler + " It burns with a blue flame.", [("Bulk modulus", "7.7 GPa"), ("Density", "2 g")],
+                ["subject.Science.Chemistry"], ["Gunpowder"]),
+        _entity("Selenium", "Selenium is grey.", [("Bulk modulus", "8.3 GPa")], ["subject.Science.Chemistry"]),
+        _entity("Granite", "Granite is a rock.", categories=["subject.Geography.Mineralogy"],
+                linked_from=["Tower Bridge", "Sand"]),
+        _entity("Quartz", "Quartz is a mineral.", categories=["subject.Geography.Mineralogy"], linked_from=["Sand"]),
+        _entity("Tower Bridge", "Tower Bridge crosses the Thames.", [("Opening date", "1894")]),
+    ] + [_entity(f"Other {i}", f"Other {i} is unrelated to anything.") for i in range(20)]
+    index = TextIndex.build(ents, TextSearchConfig(dense_rerank=False))
+    hits = index.search("Bulk modulus 7.7 GPa", 3)
+    assert hits[0].title == "Sulfur" and "Bulk modulus: 7.7 GPa." in hits[0].snippet, hits
+    hits = index.search("Tower Bridge Mineralogy", 5)
+    titles = [h.title for h in hits]
+    assert titles.index("Granite") < titles.index("Quartz"), titles
+    assert "Mentioned in the article on Tower Bridge." in hits[titles.index("Granite")].snippet
+    hit = index.search("Sulfur blue flame", 1)[0]
+    assert hit.title == "Sulfur" and "It burns with a blue flame." in hit.snippet and "number one" not in hit.snippet
+    assert all(len(h.snippet) <= index.cfg.snippet_chars + 2 for h in index.search("Sulfur", 5))
 
 
 def test_index_is_cached_on_disk_by_content(tmp_path, monkeypatch, kg_entities):

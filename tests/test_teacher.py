@@ -123,7 +123,7 @@ def test_oracle_restores_first_and_never_answers_wrong(episodes):
     assert degraded >= 4
     rate = correct / len(episodes)
     print(f"oracle: {correct}/{len(episodes)} correct ({rate:.0%}) on the sample's questions")
-    assert rate >= 0.25
+    assert rate >= 0.85  # 100% measured with the v2 index (numbers, facts, links, query-centred snippets)
 
 
 @pytest.mark.slow

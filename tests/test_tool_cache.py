@@ -77,7 +77,7 @@ def test_key_covers_arguments_backend_and_version(tmp_path):
     assert cache.key(tool, {"query": "x", "top_k": 5}, a)[0] != k1  # explicit default is another call
     from dataclasses import replace
 
-    assert cache.key(replace(tool, version="2"), {"query": "x"}, a)[0] != k1
+    assert cache.key(replace(tool, version=tool.version + ".next"), {"query": "x"}, a)[0] != k1
     assert cache.key(replace(tool, backend="other"), {"query": "x"}, a)[0] != k1
 
 

@@ -15,11 +15,12 @@ ORB's default 31 px patch, so every image is upscaled to at least ``min_side`` b
 detection and downscaled to at most ``max_side``; the index images get the same
 treatment, so scales meet within ORB's pyramid.
 
-The result is a text listing (title, short description, match strength) without
+The result is a text listing (title, page snippet, match strength) without
 thumbnails: the agent already holds the query image, and a thumbnail of the match costs
 hundreds of vision tokens per call while adding nothing the title does not say for the
-next step (a text search on the name). ``data["hits"]`` carries the index image names for
-callers that want to show them.
+next step (a text search on the name). The snippet is what a search engine shows under an
+image match: the page's description and the opening of its text, cut to ``snippet_chars``.
+``data["hits"]`` carries the index image names for callers that want to show them.
 
 Backends are pluggable: ``ctx.options["image_search"]`` may hold any object with
 ``backend_id`` and ``search(image, top_k) -> list[ImageHit]``; without one the module
@@ -42,6 +43,8 @@ from osvl.errors import DataError
 from osvl.tools.base import IMAGE_ARG, LazyBackend, Tool, ToolContext, ToolResult, number, register
 from osvl.tools.cache import atomic_write, file_digest, store_root
 
+INDEX_VERSION = 2  # 2: hits carry a page snippet (description + opening text), not the description alone
+
 
 @dataclasses.dataclass
 class ImageSearchConfig:
@@ -52,7 +55,8 @@ class ImageSearchConfig:
     ratio: float = opt(0.8, "Lowe's ratio test: best match must be this much closer than the second best.")
     verify: int = opt(8, "This many most-voted index images are verified geometrically.")
     min_inliers: int = opt(8, "Fewer RANSAC inliers than this is no match.")
-    snippet_chars: int = opt(160, "Characters of description shown per hit.")
+    snippet_chars: int = opt(300, "Characters of page snippet shown per hit (the description, then the opening "
+                                  "of the article).")
 
 
 @dataclass
@@ -180,7 +184,8 @@ def build_image_index(kg_dir: str | Path | None = None, cfg: ImageSearchConfig |
     for p in (ent_path, anc_path):
         if not p.is_file():
             raise DataError(f"image index: {p} does not exist (build the KG first)")
-    digest = file_digest([ent_path, anc_path], json.dumps(dataclasses.asdict(cfg), sort_keys=True))
+    digest = file_digest([ent_path, anc_path], json.dumps({**dataclasses.asdict(cfg), "v": INDEX_VERSION},
+                                                          sort_keys=True))
     path = store_root() / "image_index" / f"{digest}.npz"
     if cache and path.is_file():
         return ImageIndex.load(path, cfg)
@@ -195,8 +200,7 @@ def build_image_index(kg_dir: str | Path | None = None, cfg: ImageSearchConfig |
                 raise DataError(f"anchor {a['image']} names unknown entity {a['entity_id']}")
             with Image.open(root / "images" / a["image"]) as im:
                 arr = np.asarray(im.convert("RGB"))
-            snippet = e["description"] or _first_sentence(e["text"]) or a["caption"]
-            yield arr, e["title"], snippet, a["image"]
+            yield arr, e["title"], page_snippet(e, a["caption"]), a["image"]
 
     index = ImageIndex.build(items(), cfg, backend_id=f"orb:{digest}")
     if cache:
@@ -204,10 +208,13 @@ def build_image_index(kg_dir: str | Path | None = None, cfg: ImageSearchConfig |
     return index
 
 
-def _first_sentence(text: str) -> str:
-    text = " ".join(text.split())
-    end = text.find(". ")
-    return text if end < 0 else text[:end + 1]
+def page_snippet(entity: dict[str, Any], caption: str = "", chars: int = 600) -> str:
+    """What a reverse image search shows under a match: the page's description, then its opening text
+    (the caption when the page has neither). Stored long; ``format_hits`` cuts it to ``snippet_chars``."""
+    desc = (entity.get("description") or "").strip()
+    text = " ".join((entity.get("text") or "").split())
+    out = f"{desc}. {text}" if desc and text else (desc or text or caption)
+    return out[:chars]
 
 
 DEFAULT = LazyBackend(lambda cfg: build_image_index(cfg=cfg), ImageSearchConfig())
@@ -252,5 +259,5 @@ register(Tool(
     },
     fn=image_search,
     backend="orb-ransac",
-    version="1",
+    version="2",  # 2: page snippets
 ))
