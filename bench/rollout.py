@@ -1,6 +1,6 @@
 """Rollout throughput: trajectories/s with 1 vs N episodes in flight, under a simulated 200 ms tool latency.
 
-    python bench/rollout.py [--episodes=32] [--inflight=32] [--latency=0.2] [--max_batch=32]
+    python bench/rollout.py [--episodes=32] [--inflight=32] [--latency=0.2] [--max_batch=32] [--threads=1]
 
 One process, one HF token engine (the tiny agent checkpoint of ``osvl.agent.scripted``, which
 calls crop, then text_search, then answers: >= 2 tool calls per episode), the real tools
@@ -10,6 +10,15 @@ seconds (what a remote tool service costs). Baseline: the same episodes one at a
 batches the others' turns into one ``generate``. Both runs sample at temperature 1.0 with the
 same seeds. The last stdout line is JSON; ``ratio`` = trajectories/s in flight / one at a time
 (goal >= 8).
+
+Torch runs on ``--threads`` threads (1, as rollout actors do with one CPU each): the tiny
+model's ops are far too small to split, and on a shared, loaded machine two OpenMP threads
+wait on each other at every op (measured under load ~11: a 64-step decode took 38 s on two
+threads, 0.8 s on one).
+
+text_search runs BM25 only (no MiniLM re-rank): the re-rank is ~0.3-1 s of CPU per call on
+these 2 cores, serialised by the index's lock, which would measure the tool, not rollout;
+remote tools cost this process only their latency, which ``--latency`` stands for.
 
 The tool thread pool is sized to the number of episodes in flight, as a tool service would
 scale its workers; the sleeps are what is overlapped, not CPU work.
@@ -26,9 +35,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import torch  # noqa: E402
+
 from osvl.agent import scripted  # noqa: E402
 from osvl.agent.engines.hf import HFEngine  # noqa: E402
 from osvl.agent.loop import AgentConfig, run_episode  # noqa: E402
+from osvl.tools import text_search  # noqa: E402
 from osvl.tools.base import Tool  # noqa: E402
 from osvl.tools.client import InProcessTransport, ToolClient  # noqa: E402
 
@@ -43,11 +55,11 @@ def slow(tool: Tool, latency: float) -> Tool:
     return Tool(tool.name, tool.description, tool.parameters, fn, backend=tool.backend, version=tool.version)
 
 
-async def run(engine: HFEngine, n: int, inflight: int, latency: float) -> dict:
+async def run(engine: HFEngine, n: int, inflight: int, latency: float, search: object) -> dict:
     asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(max_workers=max(8, 2 * inflight)))
     tools = {name: slow(t, latency) for name, t in scripted.agent_tools().items()}
     schemas = [t.schema for t in tools.values()]
-    client = ToolClient(InProcessTransport(tools))
+    client = ToolClient(InProcessTransport(tools, options={"text_search": search}))
     cfg = AgentConfig(max_turns=6, max_new_tokens=96, max_episode_tokens=2048, temperature=1.0)
     gate = asyncio.Semaphore(inflight)
 
@@ -67,20 +79,30 @@ async def run(engine: HFEngine, n: int, inflight: int, latency: float) -> dict:
             "responses": sum(tr.stop_reason == "response" for tr in trajs)}
 
 
+def engine_figures(before: dict, after: dict) -> dict:
+    """What the engine did in one run: rows per decoding step, and the share of prompt tokens served from cache."""
+    d = {k: after[k] - before[k] for k in after}
+    return {"decode_steps": d["steps"], "mean_rows_per_step": round(d["row_steps"] / max(1, d["steps"]), 2),
+            "prompt_tokens_cached": round(d["cached_tokens"] / max(1, d["cached_tokens"] + d["prefill_tokens"]), 3)}
+
+
 def main(argv: list[str] | None = None) -> None:
     args = dict(a[2:].split("=", 1) for a in (sys.argv[1:] if argv is None else argv))
     episodes = int(args.get("episodes", 32))
     inflight = int(args.get("inflight", 32))
     latency = float(args.get("latency", 0.2))
+    torch.set_num_threads(int(args.get("threads", 1)))
     engine = HFEngine(scripted.tiny_agent_checkpoint(), max_batch=int(args.get("max_batch", 32)))
-    asyncio.run(run(engine, 2, 1, latency))  # warm-up: text_search index, first generate
+    search = text_search.build_text_index(cfg=text_search.TextSearchConfig(dense_rerank=False))
+    asyncio.run(run(engine, 2, 1, latency, search))  # warm-up: text_search index, first generate
     serial_n = max(4, episodes // 4)  # the baseline's rate settles after a few episodes; keep it short
-    serial = asyncio.run(run(engine, serial_n, 1, latency))
+    s0 = dict(engine.stats)
+    serial = asyncio.run(run(engine, serial_n, 1, latency, search))
+    serial.update(engine_figures(s0, engine.stats))
     print(json.dumps(serial), flush=True)
-    batches0 = dict(engine.stats)
-    concurrent = asyncio.run(run(engine, episodes, inflight, latency))
-    concurrent["mean_batch"] = round((engine.stats["requests"] - batches0["requests"])
-                                     / max(1, engine.stats["batches"] - batches0["batches"]), 2)
+    s0 = dict(engine.stats)
+    concurrent = asyncio.run(run(engine, episodes, inflight, latency, search))
+    concurrent.update(engine_figures(s0, engine.stats))
     print(json.dumps(concurrent), flush=True)
     ratio = concurrent["traj_per_s"] / serial["traj_per_s"]
     print(json.dumps({"serial_traj_per_s": serial["traj_per_s"], "inflight_traj_per_s": concurrent["traj_per_s"],

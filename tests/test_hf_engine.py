@@ -35,9 +35,14 @@ N_EPISODES = 8
 
 @pytest.fixture(scope="module")
 def engine():
+    # one torch thread, as rollout actors run: the tiny model's ops are too small to split, and on a loaded
+    # 2-core machine two OpenMP threads wait on each other at every op (50x slower decoding measured)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     eng = make_engine("hf", str(scripted.tiny_agent_checkpoint()), max_batch=8)
     yield eng
     eng.close()
+    torch.set_num_threads(threads)
 
 
 class Recorder:
@@ -169,6 +174,7 @@ def test_rescoring_the_stored_records_gives_the_behaviour_logprobs(engine, rollo
 
 
 def test_pixels_rebuilt_for_training_equal_what_the_engine_saw(engine, tmp_path):
+    engine.store.clear()  # the episode repeats one of the rollout's: nothing would be encoded again
     rec = Recorder(engine)
     store: dict = {}
     try:
@@ -180,8 +186,26 @@ def test_pixels_rebuilt_for_training_equal_what_the_engine_saw(engine, tmp_path)
     (back,) = read_trajectories(tmp_path)
     rebuilt = processor_inputs([load_image(tmp_path / "images", h) for h in back.images], back.image_max_pixels,
                                engine.processor)
-    # the last turn's generate received every image of the episode, in order
-    assert torch.equal(rec.pixels[-1], rebuilt["pixel_values"])
+    # with the prefix cache each image is encoded once, by the turn that first places it: together, in order,
+    # the vision tower received every image of the episode
+    assert torch.equal(torch.cat(rec.pixels), rebuilt["pixel_values"])
+
+
+def test_prefix_cache_changes_nothing_but_the_work(engine):
+    """Cached (prefix KV reused across turns and shared prompts) and uncached generation of the same seeded
+    multi-turn episodes with a tool image: the same tokens, log-probs within 1e-5, far fewer tokens run."""
+    plain = make_engine("hf", engine.path, max_batch=8, prefix_cache=False)
+    before = dict(engine.stats)
+    cached = asyncio.run(episodes(engine, 4, {}))
+    uncached = asyncio.run(episodes(plain, 4, {}))
+    assert any(len(t.turns) >= 3 and len(t.images) >= 2 for t in cached)
+    for a, b in zip(cached, uncached, strict=True):
+        assert a.input_ids == b.input_ids
+        assert np.abs(np.array(a.logprobs) - np.array(b.logprobs)).max() <= 1e-5
+    ran = engine.stats["prefill_tokens"] - before["prefill_tokens"]
+    reused = engine.stats["cached_tokens"] - before["cached_tokens"]
+    assert plain.stats["cached_tokens"] == 0 and reused > 0
+    assert ran * 4 < plain.stats["prefill_tokens"], (ran, reused)
 
 
 def test_greedy_is_deterministic_and_weight_updates_change_it():
@@ -199,9 +223,11 @@ def test_greedy_is_deterministic_and_weight_updates_change_it():
     assert first.token_ids == second.token_ids and len(first.token_ids) >= 1
     sd = {k: v + 0.05 * torch.randn_like(v) for k, v in eng.model.state_dict().items() if "lm_head" in k
           or "embed_tokens" in k}
+    assert eng.store.tokens() > 0 and first.version == 0
     eng.update_weights(sd, version=7)
+    assert eng.store.tokens() == 0  # K/V of the old weights are gone
     after = asyncio.run(eng.generate(req))
-    assert eng.version == 7 and after.token_ids != first.token_ids
+    assert eng.version == 7 and after.version == 7 and after.token_ids != first.token_ids
     with pytest.raises(ConfigError):
         eng.update_weights({"no.such.weight": torch.zeros(1)}, version=8)
     eng.close()

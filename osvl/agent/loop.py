@@ -190,7 +190,7 @@ async def run_episode(engine: TokenEngine | ChatEngine, question: Mapping[str, A
         else:
             res = await engine.generate(GenRequest(list(b.input_ids), list(b.images), list(b.image_max_pixels),
                                                    sampling))
-            version = int(engine.version)
+            version = res.version  # the engine's, not engine.version after the await (a weight update may land)
             b.add_generated(res.token_ids, res.logprobs, t)
             text = tok.decode(res.token_ids, skip_special_tokens=False)
             closing = "\n" if res.token_ids and res.token_ids[-1] == im_end else fmt.IM_END + "\n"

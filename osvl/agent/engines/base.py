@@ -15,9 +15,10 @@ return text; the loop renders their turns once with the student's tokenizer into
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -47,11 +48,14 @@ class GenRequest:
 
 @dataclass
 class GenResult:
-    """The sampled ids (including the stop token when one ended the turn) and their log-probs."""
+    """The sampled ids (including the stop token when one ended the turn), their log-probs, and the policy
+    version of the weights that sampled them (set by the engine under its weight lock: reading
+    ``engine.version`` after ``generate`` returns races with a weight update)."""
 
     token_ids: list[int]
     logprobs: list[float]
     finish: str  # "stop" | "length"
+    version: int = -1
 
 
 @runtime_checkable
@@ -70,3 +74,22 @@ class ChatEngine(Protocol):
     name: str
 
     async def chat(self, messages: list[dict], images: Mapping[str, np.ndarray], sampling: Sampling) -> str: ...
+
+
+def _set_result(fut: asyncio.Future, value: Any, error: BaseException | None) -> None:
+    if fut.done():  # the caller was cancelled meanwhile
+        return
+    if error is not None:
+        fut.set_exception(error)
+    else:
+        fut.set_result(value)
+
+
+def resolve_future(target: tuple[asyncio.AbstractEventLoop, asyncio.Future], value: Any,
+                   error: BaseException | None) -> None:
+    """Answer an ``asyncio`` future from an engine's own thread (``target`` = its event loop and the future)."""
+    loop, fut = target
+    try:
+        loop.call_soon_threadsafe(_set_result, fut, value, error)
+    except RuntimeError:  # that event loop is closed: nobody is waiting any more
+        pass

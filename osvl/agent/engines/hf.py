@@ -1,35 +1,51 @@
-"""Hugging Face token engine: batches the turns of concurrent episodes into one ``generate``.
+"""Hugging Face token engine: batches the turns of concurrent episodes, reusing cached K/V across turns.
 
 Many episodes run on one event loop (``asyncio``); each awaits ``generate(req)`` for its
 next turn while others wait on tools. Requests land in a queue; one worker takes every
-request pending at that moment (up to ``max_batch``), left-pads them into one batch and
-runs a single ``model.generate`` in a worker thread, so the event loop keeps serving tool
-calls while the model runs. Requests that need different sampling (temperature, stop
-tokens) go in separate batches, since ``generate`` takes one configuration per call.
+request pending at that moment (up to ``max_batch``) and runs them as one batch in a worker
+thread, so the event loop keeps serving tool calls while the model runs.
 
-Sampling is exactly the distribution the log-probs describe: ``do_sample`` with
-``temperature``, top-k disabled (``top_k=0``: transformers' default is 50) and
-``top_p=1.0``; every other logits processor a checkpoint's generation config might switch
-on (repetition penalty, min-p, ...) is neutralised. Log-probs are computed from the raw
-logits ``generate`` returns (``output_logits``, before any processor) as
-``log_softmax(logits / temperature)``; temperature 0 is greedy with log-probs of the
-unscaled logits. Per-request seeds cannot be honoured token for token inside a shared
-batch (``generate`` draws from one global RNG), so a batch is seeded from the seeds of its
-requests: a rerun with the same concurrency and seeds reproduces it.
+Why not ``model.generate``: every turn re-ran the whole prompt (system prompt with the tool
+schemas, images, history), so on CPU generation was compute-bound and batching 32 episodes
+bought 1.5x. Qwen3-VL checkpoints run this engine's own loop instead, as serving engines do:
+- a prefix KV cache (``kv.py``): a turn runs only the tokens after the longest prefix the
+  engine has already computed (its episode's previous turn; the shared system prompt);
+  prompts that several requests of one batch share (the G samples of a GRPO group, the
+  system prompt) are computed once first. Cleared on ``update_weights``.
+- one forward per batch over every request's new tokens (images encoded once, when first
+  placed), then batched decoding in lockstep, each row with its own temperature, stop
+  tokens, token budget and sampling generator.
+Positions are exactly what a training forward computes (``get_rope_index``'s 3-D M-RoPE),
+so the log-probs re-score; a test checks cached and uncached generation agree.
+
+Sampling is exactly the distribution the log-probs describe: ``softmax(logits /
+temperature)`` over the whole vocabulary (no top-k/top-p or other processors), log-probs
+``log_softmax(logits / temperature)`` of the raw float32 logits; temperature 0 is greedy
+with log-probs of the unscaled logits. A request's ``seed`` seeds its own generator, so its
+tokens do not depend on what else shares its batch.
+
+Other model types (Qwen2.5-VL, ...) fall back to ``model.generate`` with left padding and
+no cache: it takes one sampling configuration per call, so requests with different
+temperature or stop tokens go in separate batches, and per-request seeds cannot be honoured
+token for token inside a shared batch (one global RNG, seeded from the batch's seeds).
 """
 
 from __future__ import annotations
 
 import asyncio
+import queue
 import threading
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 
-from osvl.agent.engines.base import GenRequest, GenResult, Sampling
+from osvl.agent.engines.base import GenRequest, GenResult, Sampling, resolve_future
+from osvl.agent.engines.kv import Entry, PrefixStore, Seq, SlotCache, common_length, image_key, image_runs
 from osvl.agent.trajectory import mm_token_type_ids, processor_inputs
-from osvl.errors import ConfigError
+from osvl.errors import ConfigError, DataError, EngineError
 from osvl.models.load import load_model, load_processor
 
 # Processors a checkpoint's generation_config.json may switch on, set to their no-op values:
@@ -38,13 +54,69 @@ from osvl.models.load import load_model, load_processor
 NEUTRAL = {"top_k": 0, "top_p": 1.0, "min_p": 0.0, "typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0,
            "repetition_penalty": 1.0, "no_repeat_ngram_size": 0, "min_new_tokens": 0,
            "encoder_repetition_penalty": 1.0, "length_penalty": 1.0, "num_beams": 1, "renormalize_logits": False}
+CACHED_TYPES = ("qwen3_vl",)  # model types whose positions this engine's own loop computes
+ADMIT_AFTER = 2  # decoding steps a turn may wait for others to arrive before it is admitted anyway
+MIN_SHARED = 16  # tokens a shared prompt prefix must save before it is computed on its own first
+
+
+def _mask(valid: torch.Tensor, q0: int, q: int) -> torch.Tensor:
+    """``(B, 1, q, q0 + q)`` boolean attention mask for queries at slots ``q0..q0+q-1``: causal over the
+    valid slots; every query also sees itself, so padding rows never attend to nothing (NaN)."""
+    kv = torch.arange(q0 + q)
+    qs = torch.arange(q0, q0 + q)
+    allowed = valid[:, None, : q0 + q] & (kv[None, :] <= qs[:, None])[None]
+    allowed |= (kv[None, :] == qs[:, None])[None]
+    return allowed[:, None]
+
+
+@dataclass
+class _Row:
+    """One request in the running batch (``sampling`` None: a shared prefix computed only to be cached)."""
+
+    seq: Seq
+    sampling: Sampling | None
+    future: tuple | None  # (event loop, asyncio future) to resolve
+    version: int
+    entry: Entry | None = None  # the cached prefix it starts from, and that prefix's length
+    n: int = 0
+    new_pos: torch.Tensor | None = None  # (3, L) M-RoPE positions of the tokens it ran in prefill
+    next_pos: int = 0  # M-RoPE position of its first generated token
+    gen: torch.Generator | None = None
+    toks: list[int] = field(default_factory=list)
+    lps: list[float] = field(default_factory=list)
+    finish: str = ""
+
+    def headroom(self) -> int:
+        """Slots it may still need: every further sampled token but the last is fed back."""
+        return max(self.sampling.max_new_tokens - len(self.toks) - 1, 0) if self.sampling else 0
+
+
+@dataclass
+class _Batch:
+    """The running batch: rows, their K/V in slot layout (``kv.SlotCache``), and each row's next-token logits."""
+
+    rows: list[_Row]
+    cache: SlotCache
+    valid: torch.Tensor  # (B, slots) bool: which slots hold a token of that row
+    logits: torch.Tensor | None  # (B, V) float32 on CPU
+
+    def live(self) -> int:
+        return sum(1 for r in self.rows if not r.finish)
 
 
 class HFEngine:
-    """``TokenEngine`` over ``transformers`` ``generate`` (CPU or one GPU); fp32 by default for exact re-scoring."""
+    """``TokenEngine`` over ``transformers`` (CPU or one GPU); fp32 by default for exact re-scoring.
+
+    One engine thread owns the model: it admits queued turns into the running batch between
+    decoding steps (continuous batching), decodes one token for every live row per step,
+    and resolves each turn's future as soon as that row stops. Weight updates are applied by
+    the same thread when no turn is in flight (new turns wait meanwhile), so every turn is
+    sampled by one version, which its ``GenResult`` carries.
+    """
 
     def __init__(self, model: str | Path, *, max_batch: int = 32, dtype: str = "float32", device: str = "cpu",
-                 attn_implementation: str | None = "sdpa", version: int = 0) -> None:
+                 attn_implementation: str | None = "sdpa", version: int = 0, prefix_cache: bool = True,
+                 cache_tokens: int = 262_144) -> None:
         if max_batch < 1:
             raise ConfigError(f"max_batch must be >= 1, got {max_batch}")
         self.path = str(model)
@@ -55,55 +127,352 @@ class HFEngine:
         self.device = torch.device(device)
         self.max_batch = max_batch
         self.version = version
-        self.stats = {"batches": 0, "requests": 0, "max_batch_seen": 0}
-        self._lock = threading.Lock()  # generate and update_weights never overlap
-        self._queue: asyncio.Queue | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._worker: asyncio.Task | None = None
+        self.own_loop = self.model.config.model_type in CACHED_TYPES
+        self.store = PrefixStore(cache_tokens) if prefix_cache and self.own_loop else None
+        self.stats = {"batches": 0, "requests": 0, "max_batch_seen": 0, "steps": 0, "row_steps": 0,
+                      "prefill_tokens": 0, "cached_tokens": 0}
+        self._inbox: queue.Queue = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self._start_lock = threading.Lock()
 
-    # -- async side ---------------------------------------------------------
+    # -- callers' side ----------------------------------------------------------
 
     async def generate(self, req: GenRequest) -> GenResult:
-        """Queue one turn; resolves when the batch that took it has finished."""
+        """Queue one turn; resolves when its row stops (the stop token, or its token budget)."""
         loop = asyncio.get_running_loop()
-        if self._loop is not loop or self._worker is None or self._worker.done():
-            # one queue and worker per event loop (tests and jobs may call asyncio.run more than once)
-            self._loop, self._queue = loop, asyncio.Queue()
-            self._worker = loop.create_task(self._serve())
-        future = loop.create_future()
-        await self._queue.put((req, future))
-        return await future
+        fut = loop.create_future()
+        self._start()
+        self._inbox.put(("generate", (req, (loop, fut))))
+        return await fut
 
-    async def _serve(self) -> None:
-        queue = self._queue
-        while True:
-            pending = [await queue.get()]
-            await asyncio.sleep(0)  # let episodes that are ready this tick enqueue their turns too
-            while not queue.empty() and len(pending) < self.max_batch:
-                pending.append(queue.get_nowait())
+    def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
+        """Copy ``state_dict`` into the model in place (a subset is fine; unknown names are an error). Blocks
+        until the engine thread has applied it between turns; the prefix cache (K/V of the old weights) is
+        emptied."""
+        params = dict(self.model.named_parameters())
+        params.update(dict(self.model.named_buffers()))
+        unknown = sorted(k for k in state_dict if k not in params)
+        if unknown:
+            raise ConfigError(f"update_weights: names not in the model: {unknown[:5]}")
+        done: dict = {"event": threading.Event()}
+        self._start()
+        self._inbox.put(("update", (state_dict, int(version), done)))
+        done["event"].wait()
+        if "error" in done:
+            raise done["error"]
+
+    def close(self) -> None:
+        thread = self._thread
+        if thread is not None and thread.is_alive():
+            self._inbox.put(("stop", None))
+            thread.join(timeout=60)
+        self._thread = None
+        if self.store is not None:
+            self.store.clear()
+
+    def __repr__(self) -> str:
+        return f"HFEngine({self.path!r}, version={self.version}, max_batch={self.max_batch})"
+
+    # -- the engine thread ----------------------------------------------------------
+
+    def _start(self) -> None:
+        with self._start_lock:
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._main, name="hf-engine", daemon=True)
+                self._thread.start()
+
+    def _main(self) -> None:
+        batch: _Batch | None = None
+        waiting: list[tuple] = []  # (GenRequest, future) not admitted yet
+        updates: list[tuple] = []
+        held = 0  # steps the oldest waiting turn has waited
+        with torch.no_grad():  # grad mode is per thread
+            while True:
+                live = batch.live() if batch is not None else 0
+                items = [] if live or waiting or updates else [self._inbox.get()]
+                while True:
+                    try:
+                        items.append(self._inbox.get_nowait())
+                    except queue.Empty:
+                        break
+                for kind, payload in items:
+                    if kind == "stop":
+                        err = EngineError("the HF engine was closed")
+                        for row in batch.rows if batch is not None else []:
+                            if not row.finish:
+                                resolve_future(row.future, None, err)
+                        for _, fut in waiting:
+                            resolve_future(fut, None, err)
+                        for *_, done in updates:
+                            done["error"] = err
+                            done["event"].set()
+                        return
+                    (updates if kind == "update" else waiting).append(payload)
+                if updates and not live:  # between turns: every turn is sampled by one version
+                    for state_dict, version, done in updates:
+                        try:
+                            self._apply(state_dict, version)
+                        except Exception as e:  # noqa: BLE001 - the caller of update_weights gets it
+                            done["error"] = e
+                        done["event"].set()
+                    updates.clear()
+                    batch = None
+                # admitting costs a prefill and a re-layout of the running batch: gather a few arrivals first
+                # (a quarter of the live rows, or ADMIT_AFTER steps of waiting), never hold anyone when idle
+                held = held + 1 if waiting and live else 0
+                if (waiting and not updates and live < self.max_batch
+                        and (not live or 4 * len(waiting) >= live or held > ADMIT_AFTER)):
+                    held = 0
+                    admit, waiting = waiting[: self.max_batch - live], waiting[self.max_batch - live:]
+                    try:
+                        batch = self._admit(batch, admit)
+                    except Exception as e:  # noqa: BLE001 - the admitted turns fail, the running ones go on
+                        for _, fut in admit:
+                            resolve_future(fut, None, e)
+                if batch is not None and batch.live():
+                    try:
+                        self._step(batch)
+                    except Exception as e:  # noqa: BLE001 - hand the failure to every turn in the batch
+                        for row in batch.rows:
+                            if not row.finish:
+                                row.finish = "error"
+                                resolve_future(row.future, None, e)
+                        batch = None
+
+    def _apply(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
+        params = dict(self.model.named_parameters())
+        params.update(dict(self.model.named_buffers()))
+        for k, v in state_dict.items():
+            params[k].copy_(v.to(params[k].device, params[k].dtype))
+        if self.store is not None:
+            self.store.clear()
+        self.version = int(version)
+
+    def _admit(self, batch: _Batch | None, admit: list[tuple]) -> _Batch | None:
+        reqs = [r for r, _ in admit]
+        self.stats["batches"] += 1
+        self.stats["requests"] += len(reqs)
+        if not self.own_loop:  # fallback: whole turns through generate, grouped by sampling configuration
             groups: dict[tuple, list] = {}
-            for req, fut in pending:
+            for req, fut in admit:
                 s = req.sampling
                 groups.setdefault((float(s.temperature), tuple(sorted(s.stop_token_ids))), []).append((req, fut))
             for group in groups.values():
-                live = [(r, f) for r, f in group if not f.cancelled()]
-                if not live:
-                    continue
-                try:
-                    results = await asyncio.to_thread(self._generate_batch, [r for r, _ in live])
-                except Exception as e:  # noqa: BLE001 - hand the failure to every waiting episode
-                    for _, f in live:
-                        if not f.done():
-                            f.set_exception(e)
-                    continue
-                for (_, f), res in zip(live, results, strict=True):
-                    if not f.done():
-                        f.set_result(res)
+                for (_, fut), res in zip(group, self._generate_with_hf([r for r, _ in group]), strict=True):
+                    res.version = self.version
+                    resolve_future(fut, res, None)
+            return batch
+        seqs = [self._seq(r) for r in reqs]
+        if self.store is not None and len(seqs) > 1:
+            self._fill_shared(seqs)
+        rows = [_Row(s, r.sampling, fut, self.version) for s, (r, fut) in zip(seqs, admit, strict=True)]
+        return self._merge(batch, self._prefill(rows))
 
-    # -- the model ------------------------------------------------------------
+    def _seq(self, req: GenRequest) -> Seq:
+        ids = np.asarray(req.prompt_ids, dtype=np.int64)
+        runs = image_runs(ids, self.model.config.image_token_id)
+        if len(runs) != len(req.images) or len(req.images) != len(req.image_max_pixels):
+            raise DataError(f"request has {len(runs)} image pad runs, {len(req.images)} images and "
+                            f"{len(req.image_max_pixels)} max_pixels values")
+        keys = [image_key(a, mp) for a, mp in zip(req.images, req.image_max_pixels, strict=True)]
+        return Seq(ids, list(req.images), [int(mp) for mp in req.image_max_pixels], keys, runs)
 
-    def _generate_batch(self, reqs: list[GenRequest]) -> list[GenResult]:
-        """One left-padded ``generate`` over requests that share temperature and stop tokens."""
+    def _fill_shared(self, seqs: list[Seq]) -> None:
+        """Compute once the prompt prefixes that several new requests share and no cache entry holds (the
+        system prompt on a cold start, the identical first prompts of a GRPO group), shortest first."""
+        hits = [self.store.lookup(s)[1] for s in seqs]
+        shared: dict[tuple, Seq] = {}
+        for i, a in enumerate(seqs):
+            for j in range(i + 1, len(seqs)):
+                b = seqs[j]
+                n = common_length(a, b.ids, b.keys, min(len(a.ids), len(b.ids)) - 1)
+                if n >= max(hits[i], hits[j]) + MIN_SHARED:
+                    p = a.prefix(n)
+                    shared.setdefault(p.tag(), p)
+        todo = sorted(shared.values(), key=lambda p: len(p.ids))
+        while todo:  # waves: a prefix waits until every shorter shared prefix of it is cached
+            wave = [p for p in todo if not any(len(q.ids) < len(p.ids) and common_length(
+                p, q.ids, q.keys, len(q.ids)) == len(q.ids) for q in todo)]
+            filled = self._prefill([_Row(p, None, None, self.version) for p in wave])
+            for i in range(len(wave)):
+                self._store(filled, i)
+            todo = [p for p in todo if all(p is not w for w in wave)]
+
+    def _positions(self, length: int, runs: np.ndarray, grids: torch.Tensor, start: int) -> torch.Tensor:
+        """``(3, length)`` M-RoPE positions of new tokens starting at ``start``, exactly as ``get_rope_index``
+        numbers them in a full sequence: text +1 per token, an image its 3-D grid, then ``start + max(h, w)``."""
+        merge = self.model.config.vision_config.spatial_merge_size
+        pos = torch.empty((3, length), dtype=torch.long)
+        cur, j = start, 0
+        for (a, b), grid in zip(runs.tolist(), grids, strict=True):
+            pos[:, j:a] = torch.arange(cur, cur + a - j)
+            cur += a - j
+            vision = self.model.model.get_vision_position_ids(cur, grid, 1, merge)
+            if vision.shape[1] != b - a:
+                raise DataError(f"an image has {b - a} pads but its grid {grid.tolist()} needs {vision.shape[1]}")
+            pos[:, a:b] = vision
+            cur += max(int(grid[1]), int(grid[2])) // merge
+            j = b
+        pos[:, j:] = torch.arange(cur, cur + length - j)
+        return pos
+
+    def _prefill(self, rows: list[_Row]) -> _Batch:
+        """One forward over every row's uncached tokens. Row i's cached prefix sits right-aligned before slot
+        P, its new tokens right-aligned before P + S (images: only those not in its prefix are encoded)."""
+        store, dev = self.store, self.device
+        for r in rows:
+            r.entry, r.n = store.lookup(r.seq) if store is not None else (None, 0)
+        B = len(rows)
+        P = max(r.n for r in rows)
+        S = max(len(r.seq.ids) - r.n for r in rows)
+        tc = self.model.config.text_config
+        head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
+        slots = P + S + max(r.sampling.max_new_tokens - 1 if r.sampling else 0 for r in rows)
+        cache = SlotCache(tc.num_hidden_layers, B, tc.num_key_value_heads, slots, head_dim, self.model.dtype, dev)
+        valid = torch.zeros((B, slots), dtype=torch.bool)
+        ids = torch.full((B, S), self.pad_id, dtype=torch.long)
+        pos = torch.zeros((4, B, S), dtype=torch.long)
+        pos[0] = torch.arange(P, P + S)  # text row: the slot (attention ordering); rows 1-3: M-RoPE
+        new_images, new_caps, firsts = [], [], []
+        for i, r in enumerate(rows):
+            for layer in range(len(cache.k)):
+                cache.k[layer][i, :, :P - r.n] = 0  # gaps must hold finite values (masked, x0)
+                cache.v[layer][i, :, :P - r.n] = 0
+                if r.entry is not None:
+                    cache.k[layer][i, :, P - r.n:P] = r.entry.k[layer][:, :r.n]
+                    cache.v[layer][i, :, P - r.n:P] = r.entry.v[layer][:, :r.n]
+            valid[i, P - r.n:P] = True
+            length = len(r.seq.ids) - r.n
+            ids[i, S - length:] = torch.from_numpy(r.seq.ids[r.n:])
+            valid[i, P + S - length:P + S] = True
+            first = int((r.seq.runs[:, 0] < r.n).sum())  # images already in the cached prefix
+            new_images += r.seq.images[first:]
+            new_caps += r.seq.max_pixels[first:]
+            firsts.append(first)
+        vision = processor_inputs(new_images, new_caps, self.processor) if new_images else {}
+        grids = vision.get("image_grid_thw")
+        g = 0
+        for i, r in enumerate(rows):
+            runs = r.seq.runs[firsts[i]:] - r.n
+            r.new_pos = self._positions(len(r.seq.ids) - r.n, runs, grids[g:g + len(runs)] if len(runs) else [],
+                                        r.entry.next_position(r.n) if r.entry is not None else 0)
+            g += len(runs)
+            pos[1:, i, S - r.new_pos.shape[1]:] = r.new_pos
+            r.next_pos = int(r.new_pos.max()) + 1
+            if r.sampling is not None:
+                seed = r.sampling.seed if r.sampling.seed is not None else int(torch.randint(2**62, ()))
+                r.gen = torch.Generator().manual_seed(int(seed))  # its own: tokens independent of batch mates
+                if r.sampling.max_new_tokens < 1:
+                    r.finish = "length"
+        self.stats["prefill_tokens"] += sum(r.new_pos.shape[1] for r in rows)
+        self.stats["cached_tokens"] += sum(r.n for r in rows)
+        cache.length = P
+        kwargs = {k: v.to(dev) for k, v in vision.items()}
+        out = self.model(input_ids=ids.to(dev), attention_mask=_mask(valid, P, S).to(dev), position_ids=pos.to(dev),
+                         cache=cache, use_cache=True, logits_to_keep=1, **kwargs)
+        cache.length = P + S
+        return _Batch(rows, cache, valid, out.logits[:, -1].float().cpu())
+
+    def _merge(self, a: _Batch | None, b: _Batch | None) -> _Batch | None:
+        """The live rows of ``a`` and ``b`` as one batch: each right-aligned to the later end, slots no live row
+        uses dropped, room for every row's remaining tokens. Finished rows leave here."""
+        parts = [(x, [i for i, r in enumerate(x.rows) if not r.finish]) for x in (a, b) if x is not None]
+        parts = [(x, keep) for x, keep in parts if keep]
+        if not parts:
+            return None
+        end = max(x.cache.length for x, _ in parts)
+        # first slot any kept row uses, in the merged layout
+        lo = min(int(x.valid[keep].any(0).nonzero()[0]) + end - x.cache.length for x, keep in parts)
+        rows = [x.rows[i] for x, keep in parts for i in keep]
+        slots = end - lo + max(r.headroom() for r in rows)
+        first = parts[0][0].cache
+        heads, head_dim = first.k[0].shape[1], first.k[0].shape[3]
+        cache = SlotCache(len(first.k), len(rows), heads, slots, head_dim, first.k[0].dtype, first.k[0].device)
+        valid = torch.zeros((len(rows), slots), dtype=torch.bool)
+        logits, at = [], 0
+        for x, keep in parts:
+            off = end - x.cache.length - lo  # where source slot 0 lands (negative: its first slots are dropped)
+            src, dst = max(0, -off), max(0, off)
+            width = x.cache.length - src
+            idx = torch.tensor(keep)
+            whole = len(keep) == len(x.rows)
+            didx = idx.to(first.k[0].device)
+            for new_kv, old_kv in ((cache.k, x.cache.k), (cache.v, x.cache.v)):
+                for layer in range(len(new_kv)):
+                    part = old_kv[layer][:, :, src:x.cache.length]
+                    new_kv[layer][at:at + len(keep), :, dst:dst + width] = part if whole else part.index_select(0, didx)
+                    new_kv[layer][at:at + len(keep), :, :dst] = 0  # gaps must hold finite values (masked, x0)
+            valid[at:at + len(keep), dst:dst + width] = x.valid[idx, src:x.cache.length]
+            logits.append(x.logits[idx])
+            at += len(keep)
+        cache.length = end - lo
+        return _Batch(rows, cache, valid, torch.cat(logits))
+
+    def _step(self, batch: _Batch) -> None:
+        """Sample one token for every live row; rows that stop are cached and answered; the others are fed back
+        in one forward."""
+        rows, B = batch.rows, len(batch.rows)
+        self.stats["max_batch_seen"] = max(self.stats["max_batch_seen"], batch.live())
+        temps = torch.tensor([float(r.sampling.temperature) if not r.finish else 1.0 for r in rows])
+        scale = torch.where(temps > 0, temps, torch.ones_like(temps))[:, None]
+        logp = torch.log_softmax(batch.logits / scale, dim=-1)
+        # inverse-CDF sampling, vectorised over rows, one uniform per row from that row's own generator
+        cdf = logp.double().exp().cumsum(-1)
+        u = torch.cat([torch.rand(1, generator=r.gen, dtype=torch.float64) if not r.finish
+                       else torch.zeros(1, dtype=torch.float64) for r in rows])
+        drawn = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None]).squeeze(1).clamp_(max=cdf.shape[1] - 1)
+        picks = torch.where(temps <= 0, batch.logits.argmax(-1), drawn)
+        picked = logp.gather(1, picks[:, None]).squeeze(1)
+        cur = batch.cache.length
+        feed = torch.full((B, 1), self.pad_id, dtype=torch.long)
+        dpos = torch.zeros((4, B, 1), dtype=torch.long)
+        dpos[0] = cur
+        for i, (r, t, lp) in enumerate(zip(rows, picks.tolist(), picked.tolist(), strict=True)):
+            if r.finish:
+                continue
+            r.toks.append(t)
+            r.lps.append(lp)
+            if t in (r.sampling.stop_token_ids or [self.tokenizer.eos_token_id]):
+                r.finish = "stop"
+            elif len(r.toks) >= r.sampling.max_new_tokens:
+                r.finish = "length"
+            else:
+                feed[i, 0] = t
+                dpos[1:, i, 0] = r.next_pos + len(r.toks) - 1
+                batch.valid[i, cur] = True
+                continue
+            self._store(batch, i)
+            resolve_future(r.future, GenResult(token_ids=r.toks, logprobs=r.lps, finish=r.finish,
+                                               version=r.version), None)
+        live = batch.live()
+        self.stats["steps"] += 1
+        self.stats["row_steps"] += live
+        if not live:
+            return
+        out = self.model(input_ids=feed.to(self.device), attention_mask=_mask(batch.valid, cur, 1).to(self.device),
+                         position_ids=dpos.to(self.device), cache=batch.cache, use_cache=True)
+        batch.cache.length = cur + 1
+        batch.logits = out.logits[:, -1].float().cpu()
+
+    def _store(self, batch: _Batch, i: int) -> None:
+        """Cache row i's K/V: its prompt and every token it fed back (not the last one sampled)."""
+        if self.store is None:
+            return
+        r = batch.rows[i]
+        fed = r.toks[:-1]
+        slot_idx = batch.valid[i].nonzero().squeeze(1).to(self.device)
+        ids = np.concatenate([r.seq.ids, np.asarray(fed, dtype=np.int64)])
+        if len(slot_idx) != len(ids):
+            raise DataError(f"kv cache: {len(slot_idx)} slots hold {len(ids)} tokens")
+        before = r.entry.positions[:, :r.n] if r.entry is not None else torch.zeros((3, 0), dtype=torch.long)
+        positions = torch.cat([before, r.new_pos, torch.arange(r.next_pos, r.next_pos + len(fed)).expand(3, -1)], 1)
+        layers = range(len(batch.cache.k))
+        self.store.add(Entry(ids, list(r.seq.keys), [batch.cache.k[x][i].index_select(1, slot_idx) for x in layers],
+                             [batch.cache.v[x][i].index_select(1, slot_idx) for x in layers], positions))
+
+    def _generate_with_hf(self, reqs: list[GenRequest]) -> list[GenResult]:
+        """Fallback for model types without the own loop: one left-padded ``generate`` over requests that share
+        temperature and stop tokens, no cache."""
         from transformers import GenerationConfig
 
         s0: Sampling = reqs[0].sampling
@@ -128,7 +497,7 @@ class HFEngine:
         if greedy:
             gc.top_k, gc.top_p = None, None  # greedy ignores them; unset avoids transformers' warning
         seeds = [r.sampling.seed for r in reqs if r.sampling.seed is not None]
-        with self._lock, torch.no_grad(), torch.random.fork_rng(devices=[]):
+        with torch.random.fork_rng(devices=[]):
             if seeds:
                 torch.manual_seed(hash(tuple(seeds)) & 0x7FFF_FFFF)
             kwargs = {k: v.to(self.device) for k, v in vision.items()}
@@ -148,28 +517,4 @@ class HFEngine:
                     n, finish = j + 1, "stop"
                     break
             results.append(GenResult(token_ids=toks[:n], logprobs=logp[i, :n].tolist(), finish=finish))
-        self.stats["batches"] += 1
-        self.stats["requests"] += len(reqs)
-        self.stats["max_batch_seen"] = max(self.stats["max_batch_seen"], len(reqs))
         return results
-
-    def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
-        """Copy ``state_dict`` into the model in place (a subset is fine; unknown names are an error)."""
-        params = dict(self.model.named_parameters())
-        params.update(dict(self.model.named_buffers()))
-        unknown = sorted(k for k in state_dict if k not in params)
-        if unknown:
-            raise ConfigError(f"update_weights: names not in the model: {unknown[:5]}")
-        with self._lock, torch.no_grad():
-            for k, v in state_dict.items():
-                params[k].copy_(v.to(params[k].device, params[k].dtype))
-            self.version = int(version)
-
-    def close(self) -> None:
-        if self._worker is not None and not self._worker.done():
-            self._worker.cancel()
-        self._worker = None
-
-    def __repr__(self) -> str:
-        return f"HFEngine({self.path!r}, version={self.version}, max_batch={self.max_batch})"
-

@@ -53,7 +53,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from osvl.agent.engines.base import GenRequest, GenResult, Sampling
+from osvl.agent.engines.base import GenRequest, GenResult, Sampling, resolve_future
 from osvl.errors import ConfigError, DependencyMissingError, EngineError
 from osvl.models.load import load_processor, read_config
 
@@ -63,15 +63,6 @@ except ImportError as e:  # pragma: no cover - depends on the environment
     raise DependencyMissingError(
         "vllm", "make setup-vllm (CPU build); on GPU, the official vllm wheel in a venv of its own",
         "the vLLM engine runs in its own environment; the default one uses the HF engine") from e
-
-
-def _set_result(fut: asyncio.Future, value: Any, error: BaseException | None) -> None:
-    if fut.done():  # the caller was cancelled meanwhile
-        return
-    if error is not None:
-        fut.set_exception(error)
-    else:
-        fut.set_result(value)
 
 
 def _load_weights(worker: Any, state_dict: dict[str, torch.Tensor]) -> list[str]:
@@ -324,10 +315,7 @@ class VLLMEngine:
 
     @staticmethod
     def _resolve(loop: asyncio.AbstractEventLoop, fut: asyncio.Future, value: Any, error: Exception | None) -> None:
-        try:
-            loop.call_soon_threadsafe(_set_result, fut, value, error)
-        except RuntimeError:  # that event loop is closed: nobody is waiting any more
-            pass
+        resolve_future((loop, fut), value, error)
 
     def _result(self, req: GenRequest, out: Any) -> GenResult:
         if list(out.prompt_token_ids) != list(req.prompt_ids):
@@ -339,7 +327,7 @@ class VLLMEngine:
         ids = [int(t) for t in comp.token_ids]
         logprobs = [float(lp[t].logprob) for t, lp in zip(ids, comp.logprobs, strict=True)]
         self.stats["requests"] += 1
-        return GenResult(token_ids=ids, logprobs=logprobs, finish=comp.finish_reason)
+        return GenResult(token_ids=ids, logprobs=logprobs, finish=comp.finish_reason, version=self.version)
 
     def _apply(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
         missing = self._engine.collective_rpc(_load_weights, args=(state_dict,))[0]
