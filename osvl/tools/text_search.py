@@ -312,30 +312,33 @@ class TextIndex:
         tokens = [t for t in query_tokens(query) if t in vocab]
         if not tokens:
             return []
-        scores = self.retriever.get_scores(tokens)
+        # BM25 is a sum over query words: one score vector per distinct word gives both the total and
+        # which words each passage has (for ``coverage``) without re-reading the passages
+        qset = sorted(set(tokens))
+        per_word = [self.retriever.get_scores([t] * tokens.count(t)) for t in qset]
+        scores = np.sum(per_word, axis=0)
         k = min(self.cfg.depth, len(self.passages))
         top = np.argpartition(-scores, k - 1)[:k] if k < len(scores) else np.arange(len(scores))
         top = top[np.argsort(-scores[top], kind="stable")]
+        top = top[scores[top] > 0]
+        has = np.stack([v[top] > 0 for v in per_word], axis=1)  # (passages, words)
         best: dict[int, list[float]] = {}  # entity -> its two best passage scores, best first
         first: dict[int, int] = {}  # entity -> its best passage
-        covered: dict[int, set[str]] = {}  # entity -> query words found in any of its retrieved passages
-        qset = set(tokens)
-        for d in top:
-            s = float(scores[d])
-            if s <= 0:
-                break
+        covered: dict[int, np.ndarray] = {}  # entity -> which query words any of its retrieved passages has
+        for j, d in enumerate(top):
             e = int(self.owner[d])
             got = best.setdefault(e, [])
             if len(got) < 2:
-                got.append(s)
-            first.setdefault(e, int(d))
-            covered.setdefault(e, set()).update(qset & _words(self.passages[d]))
+                got.append(float(scores[d]))
+                first.setdefault(e, int(d))
+            covered[e] = covered[e] | has[j] if e in covered else has[j]
+        idf = np.array([self.idf.get(t, 1.0) for t in qset])
         w, c = self.cfg.second_weight, self.cfg.coverage
-        mass = sum(self.idf.get(t, 1.0) for t in qset) or 1.0
+        mass = float(idf.sum()) or 1.0
         ranked = []
         for e, s in best.items():
             # an article that has every word of the query somewhere beats one that repeats a few of them
-            cover = sum(self.idf.get(t, 1.0) for t in covered[e]) / mass
+            cover = float(idf[covered[e]].sum()) / mass
             ranked.append((e, ((s[0] + w * (s[1] if len(s) > 1 else 0.0)) * (1 - c + c * cover), first[e])))
         ranked.sort(key=lambda t: -t[1][0])
         if self.cfg.dense_rerank and len(ranked) > 1:
@@ -357,6 +360,9 @@ class TextIndex:
         units = self.units[entity]
         scored = []
         for i, u in enumerate(units):
+            low = u.lower()
+            if not any(t in low for t in q):  # cheap substring test first: hubs have thousands of link lines
+                continue
             s = sum(v for t, v in q.items() if t in _words(u))
             if s > 0:
                 scored.append((-round(s, 3), len(u), i))
@@ -565,5 +571,5 @@ register(Tool(
     },
     fn=text_search,
     backend="bm25-minilm",
-    version="2",  # 2: numeric tokens, infobox/category/link passages, query-centred snippets
+    version="3",  # 2: numbers, fact/link passages, query-centred snippets; 3: per-word scoring (tie order)
 ))
