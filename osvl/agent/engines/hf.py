@@ -33,6 +33,7 @@ token for token inside a shared batch (one global RNG, seeded from the batch's s
 from __future__ import annotations
 
 import asyncio
+import inspect
 import queue
 import threading
 from collections.abc import Mapping
@@ -128,6 +129,8 @@ class HFEngine:
         self.max_batch = max_batch
         self.version = version
         self.own_loop = self.model.config.model_type in CACHED_TYPES
+        # transformers renamed past_key_values to cache (5.2x); the vLLM environment pins an older one
+        self._cache_kw = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
         self.store = PrefixStore(cache_tokens) if prefix_cache and self.own_loop else None
         self.stats = {"batches": 0, "requests": 0, "max_batch_seen": 0, "steps": 0, "row_steps": 0,
                       "prefill_tokens": 0, "cached_tokens": 0}
@@ -369,7 +372,7 @@ class HFEngine:
         cache.length = P
         kwargs = {k: v.to(dev) for k, v in vision.items()}
         out = self.model(input_ids=ids.to(dev), attention_mask=_mask(valid, P, S).to(dev), position_ids=pos.to(dev),
-                         cache=cache, use_cache=True, logits_to_keep=1, **kwargs)
+                         use_cache=True, logits_to_keep=1, **{self._cache_kw: cache}, **kwargs)
         cache.length = P + S
         return _Batch(rows, cache, valid, out.logits[:, -1].float().cpu())
 
@@ -450,7 +453,7 @@ class HFEngine:
         if not live:
             return
         out = self.model(input_ids=feed.to(self.device), attention_mask=_mask(batch.valid, cur, 1).to(self.device),
-                         position_ids=dpos.to(self.device), cache=batch.cache, use_cache=True)
+                         position_ids=dpos.to(self.device), use_cache=True, **{self._cache_kw: batch.cache})
         batch.cache.length = cur + 1
         batch.logits = out.logits[:, -1].float().cpu()
 
