@@ -92,6 +92,8 @@ class TrajConfig:
     max_questions: int = opt(0, "Answer at most this many questions (the first by id); 0 = all.")
     model: str = opt("", "Student checkpoint whose tokenizer and processor render the records; empty = the "
                          "tiny Qwen3-VL of osvl.models.tiny.")
+    offer: list[str] = opt([], "Tools offered to the teacher, by name (rendered in every record's system prompt, "
+                               "so the policy trained on the records must be offered the same); empty = all.")
     n_teacher_rollouts: int = opt(2, "Teacher episodes per question.")
     keep_per_question: int = opt(1, "Most filtered trajectories kept per question.")
     min_r_query: float = opt(0.5, "Process-judge filter: keep rollouts with r_query >= this.")
@@ -214,7 +216,11 @@ class ShardWorker:
         self.processor = load_processor(model)
         text_search.configure(text_search.TextSearchConfig(dense_rerank=self.cfg.tools.dense_rerank,
                                                            snippet_chars=self.cfg.tools.snippet_chars))
-        self.tools = [t.schema for t in all_tools().values()]
+        tools = all_tools()
+        unknown = sorted(set(self.cfg.offer) - set(tools))
+        if unknown:
+            raise ConfigError(f"offer: unknown tools {unknown}; registered: {sorted(tools)}")
+        self.tools = [t.schema for name, t in tools.items() if not self.cfg.offer or name in self.cfg.offer]
         self.questions = load_questions(self.qdir, self.cfg.split, self.cfg.max_questions)
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
