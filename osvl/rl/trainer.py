@@ -271,17 +271,21 @@ def prepare(cfg: GRPOConfig, log: Callable[[str], None] = print) -> tuple[Path, 
     from osvl.synth import pipeline
 
     if cfg.questions:
-        qdir = Path(cfg.questions)
+        qdir = Path(cfg.questions).resolve()  # Ray Train workers and actors run in other folders
     else:
         qdir, _ = pipeline.run(_sub_config(pipeline.SynthConfig, pipeline.JOB, cfg.run.root, cfg.run.seed,
                                            cfg.synth), log=log)
+    qdir = qdir.resolve()
     if cfg.model:
-        return qdir, Path(cfg.model)
+        return qdir, Path(cfg.model).resolve()
     from osvl.agent import expert
     from osvl.train import sft
 
+    # the teacher's records must show the policy the tools it will be offered in RL (the system
+    # prompt is part of every SFT row), so rollout.offer is the trajectories job's default
+    offer = {"offer": list(cfg.rollout.offer)} if "offer" in expert.TrajConfig.__dataclass_fields__ else {}
     tcfg = _sub_config(expert.TrajConfig, expert.JOB, cfg.run.root, cfg.run.seed,
-                       {"questions": str(qdir), **cfg.trajectories})
+                       {"questions": str(qdir), **offer, **cfg.trajectories})
     tdir, _ = expert.run(tcfg, log=log)
     scfg = _sub_config(sft.SftConfig, sft.JOB, cfg.run.root, cfg.run.seed, cfg.sft)
     scfg = merge_data(scfg, tdir, qdir)
@@ -291,8 +295,8 @@ def prepare(cfg: GRPOConfig, log: Callable[[str], None] = print) -> tuple[Path, 
     if done.is_file():
         model = Path(json.loads(done.read_text())["model"])
         log(f"sft: reusing {model}")
-        return qdir, model
-    return qdir, Path(sft.run(scfg, log=log)["model"])
+        return qdir, model.resolve()
+    return qdir, Path(sft.run(scfg, log=log)["model"]).resolve()
 
 
 def merge_data(scfg: Any, tdir: Path, qdir: Path) -> Any:
@@ -352,7 +356,7 @@ def run(cfg: GRPOConfig, log: Callable[[str], None] = print) -> dict[str, Any]:
     if cfg.max_questions:
         questions = questions[:cfg.max_questions]
     heldout = sorted(read_questions(qdir / "heldout.parquet"), key=lambda r: r["id"])[:cfg.eval.n_heldout]
-    out = run_dir(cfg, JOB)
+    out = run_dir(cfg, JOB).resolve()
     log(f"grpo: mode {cfg.rl.mode}, {cfg.train.steps} steps x {cfg.train.groups_per_step} groups x G="
         f"{cfg.rl.group_size}, max_staleness {cfg.train.max_staleness}, {len(questions)} RL questions, "
         f"policy {model} -> {out}")
