@@ -11,6 +11,10 @@ authentication by default; we keep it on and let Ray generate the token.
 Ports: several local clusters may run side by side (parallel test sessions,
 a demo next to a test run), so the dashboard and Serve ports are picked free
 instead of Ray's fixed defaults (8265, 8000).
+
+The dashboard is on by default because Ray Train needs its state API (see
+``worker_env``); tests and benchmarks that run no Ray Train may turn it off to
+save its ~1 GB and dozen processes.
 """
 
 from __future__ import annotations
@@ -27,6 +31,29 @@ def loopback_env() -> dict[str, str]:
     return {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0"}
 
 
+def worker_env(api_server: str | None) -> dict[str, str]:
+    """Environment for the worker processes of a cluster osvl starts (``init_ray``, ``head_up``).
+
+    ``RAY_API_SERVER_ADDRESS``: this cluster's state API (its dashboard). Ray Train v2
+    starts a ``PlacementGroupCleaner`` actor per run that asks the state API every
+    second whether the Train controller is alive. Left to guess the address, Ray looks
+    for Ray processes on the machine: with several clusters side by side (tests, a demo,
+    a head) it fails ("Found multiple active Ray instances", which kills the cleaner's
+    thread); with one cluster and no dashboard it reads the default 127.0.0.1:8265 and
+    either logs "Failed to query Ray Train Controller actor state" every second (nothing
+    listens there) or, worse, asks another cluster's head, which does not know our
+    controller, so the cleaner would take it for dead and remove the run's placement group.
+
+    ``RAY_TRAIN_ENABLE_PRINT_PATCH=0``: Ray Train v2 reroutes ``print`` in train workers to
+    the root logger, whose console handler writes the line, and, since Ray wraps
+    ``sys.stdout`` in every worker, also calls the original ``print``: each line twice.
+    """
+    env = {"RAY_TRAIN_ENABLE_PRINT_PATCH": "0"}
+    if api_server:
+        env["RAY_API_SERVER_ADDRESS"] = api_server
+    return env
+
+
 def free_port() -> int:
     """An unused TCP port on loopback (racy by nature, good enough for local clusters)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -35,12 +62,13 @@ def free_port() -> int:
 
 
 def init_ray(address: str | None = None, num_cpus: int | None = None, *,
-             include_dashboard: bool = False, runtime_env: dict[str, Any] | None = None,
+             include_dashboard: bool = True, runtime_env: dict[str, Any] | None = None,
              **kwargs: Any) -> Any:
     """Join ``address`` (or ``$RAY_ADDRESS``) if given, else start a loopback-only local cluster.
 
     Returns the ``RayContext``. Calling it when Ray is already initialised returns
-    the existing context, so library code may call it defensively.
+    the existing context, so library code may call it defensively. A cluster it starts
+    gets ``worker_env`` in its job's runtime environment (the caller's ``env_vars`` win).
     """
     for key, value in loopback_env().items():
         os.environ.setdefault(key, value)
@@ -54,15 +82,21 @@ def init_ray(address: str | None = None, num_cpus: int | None = None, *,
     if ray.is_initialized():
         return ray.get_runtime_context()
     address = address or os.environ.get("RAY_ADDRESS") or None
-    common: dict[str, Any] = {"runtime_env": runtime_env, "log_to_driver": True, **kwargs}
+    common: dict[str, Any] = {"log_to_driver": True, **kwargs}
     if address:
-        return ray.init(address=address, **common)
+        return ray.init(address=address, runtime_env=runtime_env, **common)
+    port = free_port() if include_dashboard else None
+    # a runtime env, not os.environ: the driver keeps its own environment (a `ray job submit`
+    # it runs must still reach the address it names), only this cluster's workers get it
+    env = dict(runtime_env or {})
+    env["env_vars"] = {**worker_env(f"http://{LOOPBACK}:{port}" if port else None), **env.get("env_vars", {})}
     return ray.init(
         num_cpus=num_cpus,
         include_dashboard=include_dashboard,
         dashboard_host=LOOPBACK,
-        dashboard_port=free_port() if include_dashboard else None,
+        dashboard_port=port,
         _node_ip_address=LOOPBACK,
+        runtime_env=env,
         **common,
     )
 
@@ -99,7 +133,8 @@ def head_up() -> str:
 
     bin_dir = Path(sys.executable).parent
     # Jobs run `python ...` through the head's PATH: make that this environment's python.
-    env = {**os.environ, **loopback_env(), "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"}
+    env = {**os.environ, **loopback_env(), **worker_env(f"http://{LOOPBACK}:{DASHBOARD_PORT}"),
+           "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"}
     ray_bin = str(bin_dir / "ray")
     agent_port = free_port()
     cmd = [ray_bin, "start", "--head", f"--node-ip-address={LOOPBACK}", f"--dashboard-host={LOOPBACK}",
