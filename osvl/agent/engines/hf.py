@@ -58,14 +58,16 @@ NEUTRAL = {"top_k": 0, "top_p": 1.0, "min_p": 0.0, "typical_p": 1.0, "epsilon_cu
 CACHED_TYPES = ("qwen3_vl",)  # model types whose positions this engine's own loop computes
 ADMIT_AFTER = 2  # decoding steps a turn may wait for others to arrive before it is admitted anyway
 MIN_SHARED = 16  # tokens a shared prompt prefix must save before it is computed on its own first
+MARGIN_SLOTS = 256  # spare slots a re-laid-out batch gets, so turns can join in place for a while
 
 
-def _mask(valid: torch.Tensor, q0: int, q: int) -> torch.Tensor:
-    """``(B, 1, q, q0 + q)`` boolean attention mask for queries at slots ``q0..q0+q-1``: causal over the
-    valid slots; every query also sees itself, so padding rows never attend to nothing (NaN)."""
-    kv = torch.arange(q0 + q)
+def _mask(valid: torch.Tensor, q0: int, q: int, lo: int = 0) -> torch.Tensor:
+    """``(B, 1, q, q0 + q - lo)`` boolean attention mask for queries at slots ``q0..q0+q-1`` over slots from
+    ``lo``: causal over the valid slots; every query also sees itself, so padding rows never attend to nothing
+    (NaN)."""
+    kv = torch.arange(lo, q0 + q)
     qs = torch.arange(q0, q0 + q)
-    allowed = valid[:, None, : q0 + q] & (kv[None, :] <= qs[:, None])[None]
+    allowed = valid[:, None, lo: q0 + q] & (kv[None, :] <= qs[:, None])[None]
     allowed |= (kv[None, :] == qs[:, None])[None]
     return allowed[:, None]
 
@@ -269,7 +271,55 @@ class HFEngine:
         if self.store is not None and len(seqs) > 1:
             self._fill_shared(seqs)
         rows = [_Row(s, r.sampling, fut, self.version) for s, (r, fut) in zip(seqs, admit, strict=True)]
-        return self._merge(batch, self._prefill(rows))
+        new = self._prefill(rows)
+        for r in rows:
+            if r.finish:  # a budget of 0 tokens: nothing to generate
+                resolve_future(r.future, GenResult(token_ids=[], logprobs=[], finish=r.finish, version=r.version),
+                               None)
+        return self._place(batch, new)
+
+    def _place(self, batch: _Batch | None, new: _Batch) -> _Batch | None:
+        """Join ``new`` rows to the running batch: copied into its spare rows, ending at its current slot, when
+        they fit; else both are laid out afresh (``_merge``)."""
+        if batch is None or not batch.rows:
+            return self._merge(None, new)
+        cache, n, k = batch.cache, len(batch.rows), len(new.rows)
+        used = new.valid.any(0).nonzero()
+        lo = int(used[0]) if len(used) else new.cache.length
+        width = new.cache.length - lo
+        start = cache.length - width
+        room = max(r.headroom() for r in batch.rows + new.rows)
+        if n + k > cache.k[0].shape[0] or start < 0 or cache.length + room > cache.slots:
+            return self._merge(batch, new)
+        for dst, src in ((cache.k, new.cache.k), (cache.v, new.cache.v)):
+            for layer in range(len(dst)):
+                dst[layer][n:n + k, :, start:cache.length] = src[layer][:, :, lo:new.cache.length]
+        batch.valid[n:n + k] = False
+        batch.valid[n:n + k, start:cache.length] = new.valid[:, lo:new.cache.length]
+        cache.lo = min(cache.lo, start)
+        cache.rows = n + k
+        batch.rows += new.rows
+        batch.logits = torch.cat([batch.logits, new.logits])
+        return batch
+
+    def _drop_finished(self, batch: _Batch) -> None:
+        """Remove finished rows, each replaced by the batch's last row (one row copied, the rest stay put)."""
+        cache, i = batch.cache, 0
+        while i < len(batch.rows):
+            if not batch.rows[i].finish:
+                i += 1
+                continue
+            last = len(batch.rows) - 1
+            if i != last:
+                for kv in (cache.k, cache.v):
+                    for layer in range(len(kv)):
+                        kv[layer][i, :, cache.lo:cache.length] = kv[layer][last, :, cache.lo:cache.length]
+                batch.valid[i] = batch.valid[last]
+                batch.logits[i] = batch.logits[last]
+                batch.rows[i] = batch.rows[last]
+            batch.rows.pop()
+            batch.logits = batch.logits[:last]
+            cache.rows = last
 
     def _seq(self, req: GenRequest) -> Seq:
         ids = np.asarray(req.prompt_ids, dtype=np.int64)
@@ -387,24 +437,31 @@ class HFEngine:
         # first slot any kept row uses, in the merged layout
         lo = min(int(x.valid[keep].any(0).nonzero()[0]) + end - x.cache.length for x, keep in parts)
         rows = [x.rows[i] for x, keep in parts for i in keep]
-        slots = end - lo + max(r.headroom() for r in rows)
+        slots = end - lo + max(r.headroom() for r in rows) + MARGIN_SLOTS
         first = parts[0][0].cache
         heads, head_dim = first.k[0].shape[1], first.k[0].shape[3]
-        cache = SlotCache(len(first.k), len(rows), heads, slots, head_dim, first.k[0].dtype, first.k[0].device)
-        valid = torch.zeros((len(rows), slots), dtype=torch.bool)
+        capacity = max(self.max_batch, len(rows))
+        cache = SlotCache(len(first.k), capacity, heads, slots, head_dim, first.k[0].dtype, first.k[0].device,
+                          zero=True)  # spare rows and slots must hold finite values: turns join in place later
+        cache.rows = len(rows)
+        valid = torch.zeros((capacity, slots), dtype=torch.bool)
         logits, at = [], 0
         for x, keep in parts:
             off = end - x.cache.length - lo  # where source slot 0 lands (negative: its first slots are dropped)
             src, dst = max(0, -off), max(0, off)
             width = x.cache.length - src
             idx = torch.tensor(keep)
-            whole = len(keep) == len(x.rows)
-            didx = idx.to(first.k[0].device)
+            # kept rows as runs of consecutive indices: slices copy once, an index_select would copy twice
+            spans, start = [], 0
+            for j in range(1, len(keep) + 1):
+                if j == len(keep) or keep[j] != keep[j - 1] + 1:
+                    spans.append((at + start, keep[start], j - start))
+                    start = j
             for new_kv, old_kv in ((cache.k, x.cache.k), (cache.v, x.cache.v)):
                 for layer in range(len(new_kv)):
-                    part = old_kv[layer][:, :, src:x.cache.length]
-                    new_kv[layer][at:at + len(keep), :, dst:dst + width] = part if whole else part.index_select(0, didx)
-                    new_kv[layer][at:at + len(keep), :, :dst] = 0  # gaps must hold finite values (masked, x0)
+                    for d, sidx, count in spans:
+                        new_kv[layer][d:d + count, :, dst:dst + width] = \
+                            old_kv[layer][sidx:sidx + count, :, src:x.cache.length]
             valid[at:at + len(keep), dst:dst + width] = x.valid[idx, src:x.cache.length]
             logits.append(x.logits[idx])
             at += len(keep)
@@ -426,10 +483,6 @@ class HFEngine:
         drawn = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None]).squeeze(1).clamp_(max=cdf.shape[1] - 1)
         picks = torch.where(temps <= 0, batch.logits.argmax(-1), drawn)
         picked = logp.gather(1, picks[:, None]).squeeze(1)
-        cur = batch.cache.length
-        feed = torch.full((B, 1), self.pad_id, dtype=torch.long)
-        dpos = torch.zeros((4, B, 1), dtype=torch.long)
-        dpos[0] = cur
         for i, (r, t, lp) in enumerate(zip(rows, picks.tolist(), picked.tolist(), strict=True)):
             if r.finish:
                 continue
@@ -440,19 +493,23 @@ class HFEngine:
             elif len(r.toks) >= r.sampling.max_new_tokens:
                 r.finish = "length"
             else:
-                feed[i, 0] = t
-                dpos[1:, i, 0] = r.next_pos + len(r.toks) - 1
-                batch.valid[i, cur] = True
                 continue
             self._store(batch, i)
             resolve_future(r.future, GenResult(token_ids=r.toks, logprobs=r.lps, finish=r.finish,
                                                version=r.version), None)
-        live = batch.live()
+        self._drop_finished(batch)
+        rows, B, cur = batch.rows, len(batch.rows), batch.cache.length
         self.stats["steps"] += 1
-        self.stats["row_steps"] += live
-        if not live:
+        self.stats["row_steps"] += B
+        if not B:
             return
-        out = self.model(input_ids=feed.to(self.device), attention_mask=_mask(batch.valid, cur, 1).to(self.device),
+        feed = torch.tensor([[r.toks[-1]] for r in rows], dtype=torch.long)
+        dpos = torch.empty((4, B, 1), dtype=torch.long)
+        dpos[0] = cur
+        dpos[1:, :, 0] = torch.tensor([r.next_pos + len(r.toks) - 1 for r in rows])
+        batch.valid[:B, cur] = True
+        out = self.model(input_ids=feed.to(self.device),
+                         attention_mask=_mask(batch.valid[:B], cur, 1, batch.cache.lo).to(self.device),
                          position_ids=dpos.to(self.device), use_cache=True, **{self._cache_kw: batch.cache})
         batch.cache.length = cur + 1
         batch.logits = out.logits[:, -1].float().cpu()

@@ -141,24 +141,32 @@ class SlotCache:
 
     Row i of the batch holds its cached prefix right-aligned before slot ``P``, its new tokens
     right-aligned before slot ``P + S``, then one slot per decoding step; an explicit 4-D mask
-    hides the gaps. ``update`` (called by each attention layer) writes the new K/V at
-    ``length`` and returns every slot up to the end of them. Memory starts uninitialised:
-    every slot is written before attention reads it, except gaps, which the caller zeroes
-    (a masked slot gets weight 0, and 0 x NaN would still be NaN).
+    hides the gaps. ``update`` (called by each attention layer) writes the new K/V of the
+    first ``rows`` rows at ``length`` and returns their slots from ``lo`` (the first slot any
+    row uses) to the end of them. Memory starts uninitialised unless ``zero``: every slot is
+    written before attention reads it, except gaps, which must hold finite values (a masked
+    slot gets weight 0, and 0 x NaN would still be NaN).
     """
 
     def __init__(self, layers: int, batch: int, heads: int, slots: int, head_dim: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, zero: bool = False) -> None:
         shape = (batch, heads, slots, head_dim)
-        self.k = [torch.empty(shape, dtype=dtype, device=device) for _ in range(layers)]
-        self.v = [torch.empty(shape, dtype=dtype, device=device) for _ in range(layers)]
+        make = torch.zeros if zero else torch.empty
+        self.k = [make(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.v = [make(shape, dtype=dtype, device=device) for _ in range(layers)]
         self.length = 0
+        self.rows = batch
+        self.lo = 0
+
+    @property
+    def slots(self) -> int:
+        return self.k[0].shape[2]
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         end = self.length + key_states.shape[-2]
-        self.k[layer_idx][:, :, self.length:end] = key_states
-        self.v[layer_idx][:, :, self.length:end] = value_states
-        return self.k[layer_idx][:, :, :end], self.v[layer_idx][:, :, :end]
+        self.k[layer_idx][:self.rows, :, self.length:end] = key_states
+        self.v[layer_idx][:self.rows, :, self.length:end] = value_states
+        return self.k[layer_idx][:self.rows, :, self.lo:end], self.v[layer_idx][:self.rows, :, self.lo:end]
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.length
