@@ -58,7 +58,7 @@ NEUTRAL = {"top_k": 0, "top_p": 1.0, "min_p": 0.0, "typical_p": 1.0, "epsilon_cu
 CACHED_TYPES = ("qwen3_vl",)  # model types whose positions this engine's own loop computes
 ADMIT_AFTER = 2  # decoding steps a turn may wait for others to arrive before it is admitted anyway
 MIN_SHARED = 16  # tokens a shared prompt prefix must save before it is computed on its own first
-MARGIN_SLOTS = 256  # spare slots a re-laid-out batch gets, so turns can join in place for a while
+MARGIN_SLOTS = 256  # spare slots on each side of a re-laid-out batch, so turns can join in place for a while
 
 
 def _mask(valid: torch.Tensor, q0: int, q: int, lo: int = 0) -> torch.Tensor:
@@ -436,6 +436,7 @@ class HFEngine:
         end = max(x.cache.length for x, _ in parts)
         # first slot any kept row uses, in the merged layout
         lo = min(int(x.valid[keep].any(0).nonzero()[0]) + end - x.cache.length for x, keep in parts)
+        lo -= MARGIN_SLOTS  # free slots before the first used one: longer prompts can join in place
         rows = [x.rows[i] for x, keep in parts for i in keep]
         slots = end - lo + max(r.headroom() for r in rows) + MARGIN_SLOTS
         first = parts[0][0].cache
@@ -465,7 +466,7 @@ class HFEngine:
             valid[at:at + len(keep), dst:dst + width] = x.valid[idx, src:x.cache.length]
             logits.append(x.logits[idx])
             at += len(keep)
-        cache.length = end - lo
+        cache.length, cache.lo = end - lo, MARGIN_SLOTS
         return _Batch(rows, cache, valid, torch.cat(logits))
 
     def _step(self, batch: _Batch) -> None:
