@@ -1,20 +1,22 @@
-"""Hugging Face token engine: batches the turns of concurrent episodes, reusing cached K/V across turns.
+"""Hugging Face token engine: continuous batching of concurrent episodes' turns, reusing cached K/V.
 
 Many episodes run on one event loop (``asyncio``); each awaits ``generate(req)`` for its
-next turn while others wait on tools. Requests land in a queue; one worker takes every
-request pending at that moment (up to ``max_batch``) and runs them as one batch in a worker
-thread, so the event loop keeps serving tool calls while the model runs.
+next turn while others wait on tools. Turns go to one engine thread that owns the model,
+so the event loop keeps serving tool calls while the model runs.
 
 Why not ``model.generate``: every turn re-ran the whole prompt (system prompt with the tool
-schemas, images, history), so on CPU generation was compute-bound and batching 32 episodes
-bought 1.5x. Qwen3-VL checkpoints run this engine's own loop instead, as serving engines do:
+schemas, images, history), so on CPU generation was compute-bound, and a batch ran until
+its longest turn ended while finished episodes waited: batching 32 episodes bought 1.5x.
+Qwen3-VL checkpoints run this engine's own loop instead, as serving engines do:
 - a prefix KV cache (``kv.py``): a turn runs only the tokens after the longest prefix the
   engine has already computed (its episode's previous turn; the shared system prompt);
-  prompts that several requests of one batch share (the G samples of a GRPO group, the
-  system prompt) are computed once first. Cleared on ``update_weights``.
-- one forward per batch over every request's new tokens (images encoded once, when first
-  placed), then batched decoding in lockstep, each row with its own temperature, stop
-  tokens, token budget and sampling generator.
+  prompts that several new turns share (the G samples of a GRPO group, the system prompt
+  on a cold start) are computed once first. Cleared on ``update_weights``.
+- continuous batching: between decoding steps, waiting turns are prefilled together (their
+  uncached tokens only; images encoded once, when first placed) and join the running batch
+  in its spare rows; each step decodes one token for every live row, each with its own
+  temperature, stop tokens, token budget and sampling generator; a row that stops is
+  answered at once and its row freed. The slot layout and masks: ``kv.SlotCache``.
 Positions are exactly what a training forward computes (``get_rope_index``'s 3-D M-RoPE),
 so the log-probs re-score; a test checks cached and uncached generation agree.
 
