@@ -134,7 +134,7 @@ def _job(questions_dir: Path, model: Path, root: Path) -> list[str]:
             f"--questions={questions_dir}", f"--model={model}", "--eval.n_heldout=0", "--rl.group_size=4",
             "--rl.lr=1e-4", "--rl.beta=0.001", f"--train.steps={STEPS}", "--train.groups_per_step=2",
             "--train.max_staleness=1", "--train.ckpt_every=1", f"--train.keep={STEPS}", "--rollout.groups_in_flight=2",
-            "--rollout.max_turns=3", "--rollout.max_new_tokens=48", "--rollout.max_episode_tokens=2048",
+            "--rollout.max_turns=3", "--rollout.max_new_tokens=64", "--rollout.max_episode_tokens=2048",
             "--rollout.offer=crop,text_search", f"--rollout.schemas={questions_dir / 'schemas.json'}"]
 
 
