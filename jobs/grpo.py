@@ -22,7 +22,8 @@ from osvl.rl.trainer import JOB, GRPOConfig, run  # noqa: E402
 
 def main(argv: list[str] | None = None) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
-    cfg = parse_args(GRPOConfig, JOB, args)
+    cfg = parse_args(GRPOConfig, JOB, [a for a in args if not a.startswith(SUB_JOBS)])
+    cfg = sub_job_overrides(cfg, [a for a in args if a.startswith(SUB_JOBS)])
     print(dump(cfg), flush=True)
     s = run(cfg, log=lambda msg: print(msg, flush=True))
     # `make demo` runs this job; its last line says whether the whole chain ran (the test greps it)
@@ -36,6 +37,28 @@ def main(argv: list[str] | None = None) -> None:
           f"{s['seconds'] / 60:.1f} min; mean reward first 10 steps {s['first_mean']:.3f} ± {s['first_se']:.3f}, "
           f"last 10 {s['last_mean']:.3f} ± {s['last_se']:.3f} ({'up' if s['improved'] else 'NOT up'} by > 2 SE); "
           f"held-out Pass@1 after SFT {_num(s['pass1_sft'])}, after GRPO {_num(s['pass1_grpo'])}", flush=True)
+
+
+SUB_JOBS = ("--synth.", "--trajectories.", "--sft.")
+
+
+def sub_job_overrides(cfg: GRPOConfig, args: list[str]) -> GRPOConfig:
+    """``--sft.max_len=1024`` and the like: dotted keys into the other jobs' override dicts, values
+    read as YAML (the sub-job's own config checks their types when it is built)."""
+    import dataclasses
+
+    import yaml
+
+    subs = {"synth": dict(cfg.synth), "trajectories": dict(cfg.trajectories), "sft": dict(cfg.sft)}
+    for arg in args:
+        key, _, text = arg[2:].partition("=")
+        section, *path = key.split(".")
+        node = subs[section]
+        for part in path[:-1]:
+            node[part] = dict(node.get(part) or {})
+            node = node[part]
+        node[path[-1]] = yaml.safe_load(text)
+    return dataclasses.replace(cfg, **subs)
 
 
 def _num(x: float | None) -> str:
