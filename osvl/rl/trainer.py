@@ -271,11 +271,11 @@ def prepare(cfg: GRPOConfig, log: Callable[[str], None] = print) -> tuple[Path, 
     from osvl.synth import pipeline
 
     if cfg.questions:
-        qdir = Path(cfg.questions).resolve()  # Ray Train workers and actors run in other folders
+        qdir = Path(cfg.questions)
     else:
         qdir, _ = pipeline.run(_sub_config(pipeline.SynthConfig, pipeline.JOB, cfg.run.root, cfg.run.seed,
                                            cfg.synth), log=log)
-    qdir = qdir.resolve()
+    qdir = qdir.resolve()  # Ray Train workers and actors run in other folders
     if cfg.model:
         return qdir, Path(cfg.model).resolve()
     from osvl.agent import expert
@@ -283,9 +283,8 @@ def prepare(cfg: GRPOConfig, log: Callable[[str], None] = print) -> tuple[Path, 
 
     # the teacher's records must show the policy the tools it will be offered in RL (the system
     # prompt is part of every SFT row), so rollout.offer is the trajectories job's default
-    offer = {"offer": list(cfg.rollout.offer)} if "offer" in expert.TrajConfig.__dataclass_fields__ else {}
     tcfg = _sub_config(expert.TrajConfig, expert.JOB, cfg.run.root, cfg.run.seed,
-                       {"questions": str(qdir), **offer, **cfg.trajectories})
+                       {"questions": str(qdir), "offer": list(cfg.rollout.offer), **cfg.trajectories})
     tdir, _ = expert.run(tcfg, log=log)
     scfg = _sub_config(sft.SftConfig, sft.JOB, cfg.run.root, cfg.run.seed, cfg.sft)
     scfg = merge_data(scfg, tdir, qdir)

@@ -269,13 +269,13 @@ class VLLMEngine:
                 if not updates:
                     for rid, req, prompt, params, loop, fut in waiting:
                         if self._weights_broken:
-                            self._resolve(loop, fut, None, EngineError(self._weights_broken))
+                            resolve_future((loop, fut), None, EngineError(self._weights_broken))
                             continue
                         try:
                             self._engine.add_request(rid, prompt, params)
                             live[rid] = (req, loop, fut)
                         except Exception as e:  # noqa: BLE001 - a bad request fails alone
-                            self._resolve(loop, fut, None, EngineError(f"vLLM refused the request: {e}"))
+                            resolve_future((loop, fut), None, EngineError(f"vLLM refused the request: {e}"))
                     waiting.clear()
                 if live:
                     self.stats["max_running"] = max(self.stats["max_running"], len(live))
@@ -285,16 +285,16 @@ class VLLMEngine:
                         if out.finished and out.request_id in live:
                             req, loop, fut = live.pop(out.request_id)
                             try:
-                                self._resolve(loop, fut, self._result(req, out), None)
+                                resolve_future((loop, fut), self._result(req, out), None)
                             except EngineError as e:
-                                self._resolve(loop, fut, None, e)
+                                resolve_future((loop, fut), None, e)
         except BaseException as e:  # noqa: BLE001 - the engine is gone: fail everything that waits
             self._dead = e
             err = e if isinstance(e, EngineError) else EngineError(f"the vLLM engine failed: {e!r}")
             for _, loop, fut in live.values():
-                self._resolve(loop, fut, None, err)
+                resolve_future((loop, fut), None, err)
             for _, _, _, _, loop, fut in waiting:
-                self._resolve(loop, fut, None, err)
+                resolve_future((loop, fut), None, err)
             for *_, done in updates:
                 done.set_exception(err)
             while True:  # anything submitted after the failure
@@ -303,7 +303,7 @@ class VLLMEngine:
                 except queue.Empty:
                     break
                 if kind == "generate":
-                    self._resolve(payload[4], payload[5], None, err)
+                    resolve_future((payload[4], payload[5]), None, err)
                 elif kind == "update":
                     payload[2].set_exception(err)
 
@@ -312,10 +312,6 @@ class VLLMEngine:
             return self._inbox.get_nowait()
         except queue.Empty:
             return None
-
-    @staticmethod
-    def _resolve(loop: asyncio.AbstractEventLoop, fut: asyncio.Future, value: Any, error: Exception | None) -> None:
-        resolve_future((loop, fut), value, error)
 
     def _result(self, req: GenRequest, out: Any) -> GenResult:
         if list(out.prompt_token_ids) != list(req.prompt_ids):
