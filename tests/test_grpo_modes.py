@@ -172,3 +172,26 @@ def test_non_finite_step_is_skipped_and_bounds_stop_the_run(model_and_batch):
     with torch.no_grad():  # leave the shared model as the other tests found it
         for p, q in zip(model.parameters(), before, strict=True):
             p.copy_(q)
+
+
+def test_learner_scores_at_the_sampling_temperature(model_and_batch):
+    """Rollouts sampled at T record log-probs of the tempered distribution; before any update the
+    learner's ratio must be exactly 1 (no clipping), which holds only when it divides its logits
+    by the same T. At T=1 against T=0.3 behaviour log-probs (the random tiny model is nearly uniform,
+    so a low T makes the gap visible), a share of the tokens is clipped."""
+    from osvl.rl.learner import Learner
+
+    model, batch = model_and_batch
+    with torch.no_grad():
+        behaviour, _ = forward_logprobs(model, batch, temperature=0.3)
+    b = dict(batch, old_logprobs=behaviour)
+    before = [p.detach().clone() for p in model.parameters()]
+    try:
+        matched = Learner(model, RLConfig(beta=0.0, lr=0.0), temperature=0.3).step(b)
+        assert matched.clip_fraction == 0.0
+        mismatched = Learner(model, RLConfig(beta=0.0, lr=0.0)).step(b)
+        assert mismatched.clip_fraction > 0.05
+    finally:
+        with torch.no_grad():  # lr 0 leaves the weights alone, but restore them in any case
+            for p, q in zip(model.parameters(), before, strict=True):
+                p.copy_(q)

@@ -189,7 +189,8 @@ def train(parts: GRPOParts, model_dir: str | Path, questions: list[dict[str, Any
                    "store": store, "steps": tc.steps, "resume": str(resume or ""), "ckpt_root": str(ckpt_root),
                    "ckpt_every": tc.ckpt_every, "keep": tc.keep, "zero_stage": parts.learner.zero_stage,
                    "threads": parts.learner.threads_per_worker, "log_path": str(log_path),
-                   "weights_every": tc.weights_every, "seed": parts.run.seed}
+                   "weights_every": tc.weights_every, "seed": parts.run.seed,
+                   "temperature": parts.rollout.temperature}
     t0 = time.perf_counter()
     try:
         trainer = make_trainer(train_loop, loop_config, num_workers=parts.learner.num_workers,
