@@ -29,7 +29,7 @@ from osvl.agent.reward import (
 )
 from osvl.agent.trajectory import Trajectory, Turn
 from osvl.cluster import free_port
-from osvl.errors import EndpointUnavailable
+from osvl.errors import ConfigError, EndpointUnavailable
 
 QUESTION = {"id": "q1", "question": "What is the capital of the country that the bridge in the image is in?",
             "answer": "London", "answer_aliases": ["City of London"],
@@ -88,6 +88,21 @@ def test_score_trajectory_rewards_and_fatal_prefix():
     t = asyncio.run(score_trajectory(traj([GOOD[0], *fail], final=None, stop="fatal", fatal=(1, 3)), QUESTION,
                                      RewardConfig(prefix_end="kth")))
     assert t.r_query == pytest.approx(0.5 * 0.0 + 0.25)
+    # fmt_scope="episode": an unparsable cascade right after a good first turn no longer scores r_fmt 1.0
+    # (the prefix rule pays a policy that cannot answer yet for dying early), and it ranks below a
+    # non-fatal episode that keeps parsing between its mistakes
+    junk = [turn(i, action="invalid", failed=True) for i in range(1, 4)]
+    early = traj([GOOD[0], *junk], final=None, stop="fatal", fatal=(1, 3))
+    assert asyncio.run(score_trajectory(early, QUESTION, cfg)).r_fmt == 1.0
+    episode = RewardConfig(fmt_scope="episode")
+    early = asyncio.run(score_trajectory(early, QUESTION, episode))
+    assert early.r_fmt == 0.25 and early.r_query == pytest.approx(0.25)
+    mixed = [GOOD[0], turn(1, action="invalid", failed=True), GOOD[1], turn(3, action="invalid", failed=True),
+             turn(4)]
+    late = asyncio.run(score_trajectory(traj(mixed, final="Paris"), QUESTION, episode))
+    assert late.r_fmt == pytest.approx(3 / 5) and late.reward > early.reward
+    with pytest.raises(ConfigError):
+        RewardConfig(fmt_scope="all").check()
     # a wrong answer and a turn limit without an answer
     assert asyncio.run(score_trajectory(traj(list(GOOD), final="Paris"), QUESTION, cfg)).r_acc == 0.0
     assert asyncio.run(score_trajectory(traj(GOOD[:2], final=None, stop="max_turns"), QUESTION, cfg)).r_acc == 0.0

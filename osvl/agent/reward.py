@@ -2,7 +2,13 @@
 
     reward = r_fmt * (alpha * r_acc + (1 - alpha) * r_query),   alpha = 0.8
 
-- **r_fmt**: share of the pre-fatal assistant turns that parse (``action != "invalid"``).
+- **r_fmt**: share of the pre-fatal assistant turns that parse (``action != "invalid"``), or with
+  ``fmt_scope="episode"`` share of *all* the episode's assistant turns, the fatal cascade included.
+  Why the option: on the prefix, [ok, bad, bad, bad] (fatal at once) scores r_fmt 1.0 while a
+  non-fatal [ok, bad, ok, bad, ok, wrong answer] scores 0.67, so a policy that does not yet answer
+  correctly (r_acc 0 everywhere) is paid for dying early, and the clamp never pushes a fatal
+  trajectory down. Measured on the demo: fatal rate 0.38 -> 1.00 within 10 GRPO steps with r_fmt
+  0.77 -> 1.00. Counting the cascade ranks the early death below any attempt that keeps parsing.
 - **r_acc**: 0 for a fatal trajectory or one without a response; else the rule judge
   (``judge.answer_reward``), or the LLM judge (``judge.LLMJudge``), or the rule first and
   the LLM only where the rule says no (``judge="rule_then_llm"``: the rule's yes is cheap
@@ -56,6 +62,8 @@ class RewardConfig:
     query_scorer: str = opt("rule", f"r_query: one of {QUERY_SCORERS} (llm = the process judge).")
     prefix_end: str = opt("cascade", "Where the pre-fatal prefix ends: 'cascade' (first failure of the fatal run, "
                                      "released code) or 'kth' (the K-th failure, the paper's formula).")
+    fmt_scope: str = opt("prefix", "r_fmt over the pre-fatal 'prefix' (ARCHITECTURE.md) or the whole 'episode', the "
+                                   "fatal cascade's unparsable turns counted (see the module docstring).")
 
     def check(self) -> None:
         if not 0.0 <= self.alpha <= 1.0:
@@ -64,6 +72,8 @@ class RewardConfig:
             raise ConfigError(f"judge must be one of {JUDGES} and query_scorer one of {QUERY_SCORERS}")
         if self.prefix_end not in ("cascade", "kth"):
             raise ConfigError(f"prefix_end must be 'cascade' or 'kth', got {self.prefix_end!r}")
+        if self.fmt_scope not in ("prefix", "episode"):
+            raise ConfigError(f"fmt_scope must be 'prefix' or 'episode', got {self.fmt_scope!r}")
 
 
 def prefix_turns(traj: Trajectory, prefix_end: str = "cascade") -> list[Turn]:
@@ -173,7 +183,8 @@ async def score_trajectory(traj: Trajectory, question: Mapping[str, Any], cfg: R
     if cfg.query_scorer == "llm" and process_judge is None:
         raise ConfigError("query_scorer='llm' needs a process_judge")
     prefix = prefix_turns(traj, cfg.prefix_end)
-    traj.r_fmt = sum(t.action != "invalid" for t in prefix) / len(prefix) if prefix else 0.0
+    scored = prefix if cfg.fmt_scope == "prefix" else list(traj.turns)
+    traj.r_fmt = sum(t.action != "invalid" for t in scored) / len(scored) if scored else 0.0
     traj.judge_status = "ok"
     answer = str(question.get("answer", traj.answer))
     aliases = list(question.get("answer_aliases") or traj.answer_aliases)

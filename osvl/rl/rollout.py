@@ -58,6 +58,8 @@ class RolloutConfig:
     stop_on_fatal: bool = opt(True, "End the episode at the fatal step (released code) instead of continuing.")
     temperature: float = opt(1.0, "Sampling temperature for RL (no top-p/top-k).")
     alpha: float = opt(0.8, "Reward weight of r_acc against r_query.")
+    fmt_scope: str = opt("prefix", "r_fmt over the pre-fatal 'prefix' (paper) or the whole 'episode' (the fatal "
+                                   "cascade counted; osvl/agent/reward.py says why the demo uses it).")
     weight_poll_s: float = opt(10.0, "Long-poll timeout of the weight store, seconds.", hashed=False)
 
 
@@ -170,7 +172,8 @@ class RolloutWorker:
                                  tools=self.tools, seed=work.seed + i, group_id=work.group_id, sample=i,
                                  image_store=store)
         self._save_images(traj, store)
-        return await score_trajectory(traj, row, RewardConfig(alpha=self.cfg.alpha, prefix_end=self.agent_cfg.mask_at))
+        return await score_trajectory(traj, row, RewardConfig(alpha=self.cfg.alpha, prefix_end=self.agent_cfg.mask_at,
+                                                                   fmt_scope=self.cfg.fmt_scope))
 
     def _save_images(self, traj: Any, arrays: dict) -> None:
         """Write the episode's images (question + tool-made) once by hash where the learner reads them."""
