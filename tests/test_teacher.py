@@ -138,3 +138,23 @@ def test_oracle_varies_wording_between_rollouts(episodes):
     msgs = [{"role": "user", "content": row["question"], "images": ["img_1"]}]
     assert PathOracle(row, seed=0).next_turn(msgs) == traj.turns[0].text
     assert normalize_answer(traj.question) == normalize_answer(row["question"])
+
+
+@pytest.mark.slow
+def test_brief_think_keeps_the_actions_and_fixes_the_thought(episodes):
+    """think="brief" (the tiny demo student's setting): the same action each turn as the full oracle,
+    the thought one fixed phrase per action."""
+    from osvl.agent.teacher import BRIEF_THINK, OracleConfig
+
+    for row, traj in episodes[:10]:
+        brief = PathOracle(row, seed=0, cfg=OracleConfig(think="brief"))
+        full = PathOracle(row, seed=0)
+        msgs = [{"role": "user", "content": row["question"], "images": ["img_1"]}]
+        for t in traj.turns[:3]:
+            a, b = parse_turn(full.next_turn(msgs), TOOL_NAMES), parse_turn(brief.next_turn(msgs), TOOL_NAMES)
+            assert (b.action, b.name, b.arguments, b.response) == (a.action, a.name, a.arguments, a.response)
+            assert b.think == BRIEF_THINK.get(b.name or "response", "Restore the image first.")
+            if t.action != "tool_call":
+                break
+            msgs += [{"role": "assistant", "content": t.text},
+                     {"role": "tool", "content": t.observation, "images": t.new_images}]

@@ -34,7 +34,7 @@ import re
 import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
@@ -57,6 +57,16 @@ class OracleConfig:
     top_k: int = opt(5, "top_k of the oracle's search calls.")
     retry_top_k: int = opt(10, "top_k of a hop's retries: read further down the list when the first query did not "
                                "name the entity (sample: 580 -> 589 of 600 rollouts correct).")
+    think: Literal["full", "brief"] = opt(
+        "full", "'full': a reason per turn naming what was found and what comes next; 'brief': one fixed phrase "
+                "per action (BRIEF_THINK), for students too small to copy each name twice a turn.")
+
+
+# The whole <think> of a turn under think="brief", by action. A toy-scale simplification: the
+# tiny demo model derails most often inside long reasons that repeat the names its query then
+# has to repeat again; a fixed phrase keeps the format and leaves the copying to the arguments.
+BRIEF_THINK = {"image_search": "Identify the image.", "text_search": "Search for the next fact.",
+               "response": "The results give the answer."}
 
 
 # ---------------------------------------------------------------------------
@@ -166,6 +176,8 @@ class PathOracle:
         return options[int(rng.integers(len(options)))]
 
     def _call(self, think: str, name: str, arguments: dict[str, Any]) -> str:
+        if self.cfg.think == "brief":
+            think = BRIEF_THINK.get(name, "Restore the image first.")
         return assistant_text(think, tool_call={"name": name, "arguments": arguments})
 
     # -- the policy ---------------------------------------------------------
@@ -238,7 +250,7 @@ class PathOracle:
                 f"{last} is the entity the question describes, and its {self._key(question)} is {answer}.",
                 f"So the chain ends at {last}; the {self._key(question)} listed there is {answer}.",
             ])
-            return assistant_text(think, response=answer)
+            return assistant_text(BRIEF_THINK["response"] if self.cfg.think == "brief" else think, response=answer)
         queries = self._answer_queries(question, last, rng)
         asked = {_tidy(s.arguments.get("query", "")).lower() for s in steps if s.name == "text_search"}
         fresh = [q for q in queries if q.lower() not in asked]
