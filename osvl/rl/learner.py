@@ -50,6 +50,9 @@ class RLConfig:
         "seq_mean_token_mean", "Loss aggregation: per-trajectory token mean then mean over G (paper); "
         "token_mean; seq_mean_token_sum (released code).")
     lr: float = opt(1e-5, "Adam learning rate.")
+    warmup_steps: int = opt(0, "Linear learning-rate warm-up over the first N learner steps (0 = none). Adam's "
+                               "first step moves every weight by about lr whatever its gradient; on the demo's "
+                               "tiny policy at lr 3e-4 that spiked the KL to the reference to 2.9 at step 2.")
     weight_decay: float = opt(0.0, "AdamW weight decay.")
     grad_clip: float = opt(1.0, "Global gradient-norm clip (0 = off).")
     max_len: int = opt(4096, "Longest trajectory fed to the learner, in tokens (collate's truncation).")
@@ -332,8 +335,10 @@ def train_loop(config: dict[str, Any]) -> None:
             p.requires_grad_(False)
     opt_ = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr,
                              weight_decay=cfg.weight_decay)
-    engine = init_engine(model, opt_, None, ds_config(config["zero_stage"], micro_batch=1, grad_accum=1,
-                                                      world_size=world, grad_clip=cfg.grad_clip))
+    warm = max(1, cfg.warmup_steps)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt_, lambda s: min(1.0, (s + 1) / warm))  # saved in checkpoints
+    engine = init_engine(model, opt_, sched, ds_config(config["zero_stage"], micro_batch=1, grad_accum=1,
+                                                       world_size=world, grad_clip=cfg.grad_clip))
     learner = Learner(engine.module, cfg, engine=engine, ref_model=ref, temperature=config["temperature"])
     buffer, store = config["buffer"], config["store"]
     resume = ckpt.latest(Path(config["ckpt_root"]))
