@@ -172,8 +172,8 @@ class RolloutWorker:
                                  tools=self.tools, seed=work.seed + i, group_id=work.group_id, sample=i,
                                  image_store=store)
         self._save_images(traj, store)
-        return await score_trajectory(traj, row, RewardConfig(alpha=self.cfg.alpha, prefix_end=self.agent_cfg.mask_at,
-                                                                   fmt_scope=self.cfg.fmt_scope))
+        scoring = RewardConfig(alpha=self.cfg.alpha, prefix_end=self.agent_cfg.mask_at, fmt_scope=self.cfg.fmt_scope)
+        return await score_trajectory(traj, row, scoring)
 
     def _save_images(self, traj: Any, arrays: dict) -> None:
         """Write the episode's images (question + tool-made) once by hash where the learner reads them."""
