@@ -382,9 +382,11 @@ def run(cfg: GRPOConfig, log: Callable[[str], None] = print) -> dict[str, Any]:
     log(f"  mean reward, first 10 steps: {summary['first_mean']:.4f} ± {summary['first_se']:.4f} (SE); "
         f"last 10: {summary['last_mean']:.4f} ± {summary['last_se']:.4f}; "
         f"{'higher by more than 2 SE' if summary['improved'] else 'NOT higher by more than 2 SE'}")
-    applied = "" if MODES[cfg.rl.mode].clamp_fatal else " (this mode does not apply the clamp)"
+    clamps = MODES[cfg.rl.mode].clamp_fatal
+    applied = "" if clamps else f" ({cfg.rl.mode} does not clamp)"
     log(f"  clamp split{applied}: of {summary['clamped'] + summary['kept_positive']} fatal trajectories with a "
-        f"non-zero advantage, {summary['clamped']} negative -> clamped to 0, {summary['kept_positive']} positive kept"
+        f"non-zero advantage, {summary['clamped']} negative{' -> clamped to 0' if clamps else ''}, "
+        f"{summary['kept_positive']} positive kept"
         + (f" ({summary['clamped_share']:.1%} / {1 - summary['clamped_share']:.1%})"
            if summary["clamped"] + summary["kept_positive"] else "")
         + f"; mean fatal rate {summary['fatal_rate']:.2f}")
