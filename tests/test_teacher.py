@@ -153,7 +153,7 @@ def test_brief_think_keeps_the_actions_and_fixes_the_thought(episodes):
         for t in traj.turns[:3]:
             a, b = parse_turn(full.next_turn(msgs), TOOL_NAMES), parse_turn(brief.next_turn(msgs), TOOL_NAMES)
             assert (b.action, b.name, b.arguments, b.response) == (a.action, a.name, a.arguments, a.response)
-            assert b.think == BRIEF_THINK.get(b.name or "response", "Restore the image first.")
+            assert b.think == BRIEF_THINK.get(b.name or "response", BRIEF_THINK["restore"])
             if t.action != "tool_call":
                 break
             msgs += [{"role": "assistant", "content": t.text},

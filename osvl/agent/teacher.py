@@ -66,7 +66,7 @@ class OracleConfig:
 # tiny demo model derails most often inside long reasons that repeat the names its query then
 # has to repeat again; a fixed phrase keeps the format and leaves the copying to the arguments.
 BRIEF_THINK = {"image_search": "Identify the image.", "text_search": "Search for the next fact.",
-               "response": "The results give the answer."}
+               "response": "The results give the answer.", "restore": "Restore the image first."}
 
 
 # ---------------------------------------------------------------------------
@@ -175,10 +175,13 @@ class PathOracle:
     def _pick(rng: np.random.Generator, options: list[str]) -> str:
         return options[int(rng.integers(len(options)))]
 
+    def _thought(self, action: str, think: str) -> str:
+        """``think`` itself, or under think="brief" the fixed phrase of ``action`` (a tool name or "response";
+        the restore tools share one)."""
+        return think if self.cfg.think == "full" else BRIEF_THINK.get(action, BRIEF_THINK["restore"])
+
     def _call(self, think: str, name: str, arguments: dict[str, Any]) -> str:
-        if self.cfg.think == "brief":
-            think = BRIEF_THINK.get(name, "Restore the image first.")
-        return assistant_text(think, tool_call={"name": name, "arguments": arguments})
+        return assistant_text(self._thought(name, think), tool_call={"name": name, "arguments": arguments})
 
     # -- the policy ---------------------------------------------------------
 
@@ -250,7 +253,7 @@ class PathOracle:
                 f"{last} is the entity the question describes, and its {self._key(question)} is {answer}.",
                 f"So the chain ends at {last}; the {self._key(question)} listed there is {answer}.",
             ])
-            return assistant_text(BRIEF_THINK["response"] if self.cfg.think == "brief" else think, response=answer)
+            return assistant_text(self._thought("response", think), response=answer)
         queries = self._answer_queries(question, last, rng)
         asked = {_tidy(s.arguments.get("query", "")).lower() for s in steps if s.name == "text_search"}
         fresh = [q for q in queries if q.lower() not in asked]

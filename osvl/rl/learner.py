@@ -181,6 +181,13 @@ def forward_logprobs(model: torch.nn.Module, batch: Mapping[str, torch.Tensor],
     return torch.zeros(at.shape, dtype=picked.dtype, device=picked.device).masked_scatter(at, picked), logits
 
 
+def warmup_schedule(optimizer: torch.optim.Optimizer, steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+    """``rl.warmup_steps``: the learning rate rises linearly over the first ``steps`` optimiser steps,
+    then stays (0 = constant from the start). A LambdaLR, so DeepSpeed checkpoints save its position."""
+    warm = max(1, steps)
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warm))
+
+
 @dataclass
 class StepResult:
     step: int
@@ -222,6 +229,8 @@ class Learner:
         if engine is None and optimizer is None:
             optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay)
         self.optimizer = optimizer
+        # DeepSpeed steps the schedule it was given; the plain path steps its own
+        self.schedule = warmup_schedule(optimizer, cfg.warmup_steps) if engine is None else None
         self.step_count = 0      # optimiser steps applied (the policy version)
         self.skipped = 0         # non-finite steps skipped
 
@@ -257,6 +266,7 @@ class Learner:
                 finite = math.isfinite(grad_norm)
             if finite:
                 self.optimizer.step()
+                self.schedule.step()
             self.optimizer.zero_grad(set_to_none=True)
         if finite:
             self.step_count += 1
@@ -335,10 +345,9 @@ def train_loop(config: dict[str, Any]) -> None:
             p.requires_grad_(False)
     opt_ = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr,
                              weight_decay=cfg.weight_decay)
-    warm = max(1, cfg.warmup_steps)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt_, lambda s: min(1.0, (s + 1) / warm))  # saved in checkpoints
-    engine = init_engine(model, opt_, sched, ds_config(config["zero_stage"], micro_batch=1, grad_accum=1,
-                                                       world_size=world, grad_clip=cfg.grad_clip))
+    engine = init_engine(model, opt_, warmup_schedule(opt_, cfg.warmup_steps),
+                         ds_config(config["zero_stage"], micro_batch=1, grad_accum=1, world_size=world,
+                                   grad_clip=cfg.grad_clip))
     learner = Learner(engine.module, cfg, engine=engine, ref_model=ref, temperature=config["temperature"])
     buffer, store = config["buffer"], config["store"]
     resume = ckpt.latest(Path(config["ckpt_root"]))
