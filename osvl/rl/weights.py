@@ -46,8 +46,9 @@ def check_transport(transport: str) -> None:
     if transport not in TRANSPORTS:
         raise ConfigError(f"weights.transport must be one of {TRANSPORTS}, got {transport!r}")
     if transport == "nccl":
-        raise ConfigError("weights.transport=nccl (GPU broadcast into vLLM) is not implemented yet; "
-                          "use object_store, which also feeds vLLM's update_weights")
+        raise ConfigError("weights.transport=nccl: the broadcast (WeightGroup) exists but the trainer does not "
+                          "use it yet (a restarted rollout actor cannot join a running group); use object_store, "
+                          "which also feeds vLLM's update_weights")
 
 
 class WeightStore:
@@ -129,9 +130,9 @@ class WeightGroup:
             self.device = torch.device("cpu")
             self.pg = dist.ProcessGroupGloo(self.store, rank, world_size, timeout)
 
-    def send(self, state_dict: dict) -> list[tuple[str, tuple, str]]:
-        """Rank 0: broadcast ``state_dict`` (in flat buckets per dtype); returns the metadata ``recv`` needs."""
-        meta = [(k, tuple(v.shape), str(v.dtype).removeprefix("torch.")) for k, v in state_dict.items()]
+    def send(self, state_dict: dict) -> None:
+        """Rank 0: broadcast ``state_dict`` (flat buckets per dtype); receivers pass ``weight_meta(state_dict)``."""
+        meta = weight_meta(state_dict)
         for bucket in _buckets(meta):
             flat = _flatten([state_dict[k].detach().to(self.device) for k, _, _ in bucket])
             self._broadcast(flat)
@@ -165,6 +166,12 @@ class WeightGroup:
             import torch
 
             torch.cuda.current_stream().synchronize()
+
+
+def weight_meta(state_dict: dict) -> list[tuple[str, tuple, str]]:
+    """(name, shape, dtype name) per tensor, in order: what receivers need to take part in ``send``.
+    Small: it travels through the ``WeightStore`` (or any Ray call) ahead of the broadcast."""
+    return [(k, tuple(v.shape), str(v.dtype).removeprefix("torch.")) for k, v in state_dict.items()]
 
 
 def _buckets(meta: list[tuple[str, tuple, str]]) -> list[list[tuple[str, tuple, str]]]:
