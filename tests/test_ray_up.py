@@ -184,9 +184,14 @@ def test_ray_up_submit_and_down_over_ssh(sshd, tmp_path):
     sentinel = _sentinel()
     up_done = False
     try:
-        up = subprocess.run([str(bin_dir / "ray"), "up", "-y", "--no-config-cache", "--log-style=record",
-                             str(config_path)], cwd=REPO, env=env, capture_output=True, text=True, timeout=420)
-        up_done = True
+        for _ in range(2):
+            up = subprocess.run([str(bin_dir / "ray"), "up", "-y", "--no-config-cache", "--log-style=record",
+                                 str(config_path)], cwd=REPO, env=env, capture_output=True, text=True, timeout=420)
+            up_done = True
+            # `ray start` gives the raylet a fixed 30 s to register with the GCS; on a machine loaded far
+            # past its cores (parallel test sessions) that can pass, and `ray up` is safe to rerun
+            if up.returncode == 0 or "timed out during startup" not in up.stdout + up.stderr:
+                break
         assert up.returncode == 0, (up.stdout + up.stderr)[-6000:]
         head_procs = _node_pids()
         assert head_procs, "ray up returned but no process runs as the node user"
@@ -217,7 +222,8 @@ def test_ray_up_submit_and_down_over_ssh(sshd, tmp_path):
         anon = subprocess.run([str(bin_dir / "ray"), "job", "list", "--address", dashboard],
                               env={k: v for k, v in env.items() if not k.startswith("RAY_AUTH")} | {
                                   "HOME": str(tmp_path)}, capture_output=True, text=True, timeout=60)
-        assert anon.returncode != 0
+        assert anon.returncode != 0 and re.search(r"401|nauthori[sz]ed|uthenticat", anon.stdout + anon.stderr), (
+            anon.stdout + anon.stderr)[-2000:]
     finally:
         if up_done:
             down = subprocess.run([str(bin_dir / "ray"), "down", "-y", "--log-style=record", str(config_path)],
