@@ -89,3 +89,43 @@ def test_learner_broadcasts_weights_into_an_engine_over_gloo(ray_cluster):
     assert not all(torch.equal(before[k], sent[k]) for k in sent)  # the update changed something
     for actor in [learner, *engines]:
         ray.kill(actor)
+
+
+def test_weight_group_buckets_mixed_dtypes_and_large_tensors(monkeypatch):
+    """Two ranks in threads of this process: several buckets (small limit), three dtypes, exact tensors back."""
+    import threading
+
+    import torch
+
+    from osvl.cluster import free_port
+    from osvl.rl import weights
+    from osvl.rl.weights import WeightGroup, weight_meta
+
+    monkeypatch.setattr(weights, "PARAMS_PER_BROADCAST", 1000)
+    g = torch.Generator().manual_seed(0)
+    sent = {"a": torch.randn(10, 30, generator=g), "a2": torch.randn(400, generator=g),  # one bucket of 700
+            "b": torch.randn(2000, generator=g),  # alone: over the limit
+            "c": torch.randn(7, generator=g).to(torch.bfloat16), "d": torch.arange(12).view(3, 4),
+            "e": torch.randn(5, 5, generator=g)}
+    assert [len(b) for b in weights._buckets(weight_meta(sent))] == [2, 1, 1, 1, 1]
+    port, got, errors = free_port(), {}, []
+
+    def rank(r: int) -> None:
+        try:
+            group = WeightGroup("127.0.0.1", port, r, 2, backend="gloo", timeout_s=60)
+            if r == 0:
+                group.send(sent)
+            else:
+                got.update(group.recv(weight_meta(sent)))
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(90)
+    assert not errors, errors
+    assert list(got) == list(sent)
+    for k, v in sent.items():
+        assert got[k].dtype == v.dtype and torch.equal(got[k], v), k
