@@ -25,6 +25,9 @@ from typing import Any
 
 LOOPBACK = "127.0.0.1"
 
+# Custom Ray resources that pin work to a node role; cluster.yaml and deploy/ declare these names.
+ROLE_RESOURCES = {"learner": "learner", "rollout": "rollout", "tools": "tools", "data": "data"}
+
 
 def loopback_env() -> dict[str, str]:
     """Environment that keeps Ray on loopback; also exported to ``ray start`` by the Makefile."""

@@ -437,7 +437,33 @@ def build_app(args: dict[str, Any]) -> serve.Application:
     """Serve application builder (``import_path: serve.app:build_app``; ``args`` = ServeConfig fields)."""
     from osvl.tools.registry import all_tools
 
-    return make_app(all_tools(), from_dict(ServeConfig, dict(args or {})))
+    cfg = from_dict(ServeConfig, dict(args or {}))
+    refuse_open_without_token(cfg)
+    return make_app(all_tools(), cfg)
+
+
+def refuse_open_without_token(cfg: ServeConfig) -> None:
+    """Raise ``ConfigError`` (one line) when Serve's HTTP proxy binds beyond loopback and no token is set.
+
+    The host is the running Serve instance's (``serve run``/``serve deploy`` with ``http_options.host``,
+    a KubeRay RayService), else the one Serve would start with (``RAY_SERVE_DEFAULT_HTTP_HOST``).
+    """
+    import ray
+    from ray.serve.config import HTTPOptions
+
+    host = HTTPOptions().host
+    if ray.is_initialized():
+        from ray.serve.context import _get_global_client
+
+        client = _get_global_client(raise_if_no_controller_running=False)
+        if client is not None:
+            host = client.http_config.host
+    if host in (None, "127.0.0.1", "localhost", "::1") or os.environ.get(cfg.token_env):
+        return
+    from osvl.errors import ConfigError
+
+    raise ConfigError(f"refusing to serve the tool API on {host} without a bearer token: "
+                      f"set {cfg.token_env} where the app is built, or bind http_options.host to 127.0.0.1")
 
 
 def make_app(tools: dict[str, Tool], cfg: ServeConfig,

@@ -16,6 +16,7 @@ from osvl.tools.super_resolution import (
     DEFAULT_WEIGHTS,
     bicubic_upscale,
     build_model,
+    edsr_device,
     evaluate,
     load_model,
     make_lr,
@@ -218,3 +219,46 @@ def test_train_job_runs_checkpoints_resumes_and_exports(tmp_path, shared_data, r
     assert second["meta"] == first["meta"]
     assert list(run.iterdir()) == [folder]
     assert sorted(p.name for p in (folder / "train").glob("checkpoint_*") if p.is_dir()) == checkpoints
+
+
+@pytest.mark.parametrize("cuda, gpu_ids, expected", [
+    (False, None, "cpu"),     # a script on a CPU machine
+    (True, None, "cuda"),     # a script on a GPU machine (bench/gpu_check.sh)
+    (False, [0], "cpu"),      # a replica that reserved a logical GPU on a node without CUDA
+    (True, [], "cpu"),        # a replica that reserved no GPU on a GPU node: not its GPU to take
+    (True, [0], "cuda"),      # a replica Ray gave a GPU, CUDA present
+])
+def test_edsr_device_rule(cuda, gpu_ids, expected):
+    assert edsr_device(cuda, gpu_ids) == expected
+
+
+_LOGICAL_GPU = """
+import json, ray, torch
+from osvl.cluster import init_ray
+from osvl.tools.super_resolution import edsr_device, load_model
+
+@ray.remote
+def probe():
+    model = load_model()
+    p = next(model.parameters())
+    return {"gpu_ids": [str(g) for g in ray.get_gpu_ids()], "device": str(p.device), "dtype": str(p.dtype),
+            "if_cuda": edsr_device(cuda_available=True)}
+
+init_ray(num_cpus=2, num_gpus=1, include_dashboard=False)
+out = ray.get([probe.options(num_gpus=1).remote(), probe.options(num_gpus=0).remote()])
+print(json.dumps(out))
+ray.shutdown()
+"""
+
+
+@pytest.mark.slow  # its own one-CPU Ray cluster with a logical GPU (~10 s)
+def test_edsr_on_a_logical_gpu_node_stays_on_cpu_and_follows_ray_assignment():
+    """Ray workers: a logical GPU (no CUDA) keeps EDSR on CPU; with CUDA, only the GPU-assigned worker uses it."""
+    proc = subprocess.run([sys.executable, "-c", _LOGICAL_GPU], capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    with_gpu, without = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert with_gpu["gpu_ids"] == ["0"] and without["gpu_ids"] == []
+    if not __import__("torch").cuda.is_available():
+        assert with_gpu["device"] == without["device"] == "cpu"
+        assert with_gpu["dtype"] == "torch.float32"
+    assert with_gpu["if_cuda"] == "cuda" and without["if_cuda"] == "cpu"

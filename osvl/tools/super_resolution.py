@@ -17,6 +17,14 @@ the EDSR body predicts only the detail that bicubic misses. That makes a small
 model trained for minutes on CPU beat bicubic reliably; the official EDSR has no
 such skip, so the flag is stored in the checkpoint's ``osvl`` metadata and is
 off for any checkpoint without it.
+
+Device: ``load_model`` puts the network where ``edsr_device`` says. Inside a Ray worker that
+is CUDA only when Ray assigned the worker a GPU *and* CUDA works there: a replica that reserved
+``num_gpus`` on a node whose GPUs are logical (``ray start --num-gpus=1`` on a CPU machine, as in
+tests) must stay on CPU, and one that reserved no GPU must not take memory on a GPU another actor
+owns. Outside Ray (a script, ``bench/gpu_check.sh``) CUDA is used when present. On CUDA the model
+runs in half precision (EDSR has no batch norm; fp16 convolutions are what the GPU is fast at);
+``upscale_batch`` moves each batch to the model's device and dtype.
 """
 
 from __future__ import annotations
@@ -129,8 +137,38 @@ def _infer_meta(params: dict[str, Any]) -> dict[str, Any]:
             "res_scale": 0.1 if num_feat == 256 else 1.0}
 
 
-def load_model(path: str | Path = DEFAULT_WEIGHTS) -> Any:
-    """Load an osvl or official basicsr EDSR checkpoint as an eval-mode float32 ``SRNet``."""
+def edsr_device(cuda_available: bool | None = None, ray_gpu_ids: list[Any] | None = None) -> str:
+    """``"cuda"`` or ``"cpu"`` for an EDSR model (see the module docstring); arguments default to this process.
+
+    ``ray_gpu_ids``: the GPUs Ray assigned this worker (``ray.get_gpu_ids()``), ``None`` outside a Ray worker.
+    """
+    if cuda_available is None:
+        cuda_available = _torch().cuda.is_available()
+    if ray_gpu_ids is None:
+        ray_gpu_ids = _ray_gpu_ids()
+    if not cuda_available:
+        return "cpu"
+    return "cpu" if ray_gpu_ids is not None and not ray_gpu_ids else "cuda"
+
+
+def _ray_gpu_ids() -> list[Any] | None:
+    """GPUs Ray assigned to this worker process; ``None`` when this is not a Ray worker (or the driver)."""
+    import sys
+
+    if "ray" not in sys.modules:  # never import Ray (seconds, and absent on the GPU check machine) to ask
+        return None
+    import ray
+
+    if not ray.is_initialized() or ray.get_runtime_context().worker.mode != ray.WORKER_MODE:
+        return None
+    return list(ray.get_gpu_ids())
+
+
+def load_model(path: str | Path = DEFAULT_WEIGHTS, device: str | None = None) -> Any:
+    """Load an osvl or official basicsr EDSR checkpoint as an eval-mode ``SRNet`` on ``device``.
+
+    ``device`` defaults to ``edsr_device()``; on CUDA the weights are cast to float16, else float32.
+    """
     torch = _torch()
     path = Path(path)
     if not path.is_file():
@@ -154,7 +192,8 @@ def load_model(path: str | Path = DEFAULT_WEIGHTS) -> Any:
     except RuntimeError as e:
         raise ModelLoadError(f"{path}: weights do not fit basicsr EDSR {arch}: {e}") from None
     model.meta = dict(meta)
-    return model.eval()
+    device = device or edsr_device()
+    return model.to(device=device, dtype=torch.float16 if device.startswith("cuda") else torch.float32).eval()
 
 
 def upscale_batch(model: Any, images: list[np.ndarray], max_input_pixels: int = MAX_INPUT_PIXELS) -> list[np.ndarray]:
@@ -168,9 +207,10 @@ def upscale_batch(model: Any, images: list[np.ndarray], max_input_pixels: int = 
     if shape[0] * shape[1] > max_input_pixels:
         raise InvalidCall(f"super_resolution input {shape[1]}x{shape[0]} exceeds {max_input_pixels} pixels; "
                           f"crop the region of interest first", limit=True)
-    x = torch.from_numpy(np.stack(images)).permute(0, 3, 1, 2).float().div_(255.0)
+    param = next(model.parameters())
+    x = torch.from_numpy(np.stack(images)).to(param.device).permute(0, 3, 1, 2).to(param.dtype).div_(255.0)
     with torch.inference_mode():
-        out = model(x).clamp_(0, 1).mul_(255.0).round_().to(torch.uint8).permute(0, 2, 3, 1).numpy()
+        out = model(x).float().clamp_(0, 1).mul_(255.0).round_().to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
     return [np.ascontiguousarray(o) for o in out]
 
 
