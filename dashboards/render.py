@@ -51,7 +51,8 @@ def panels(base: str, boards: list[str], start: float, end: float, step: float, 
     for area in boards:
         board = json.loads((HERE / f"osvl-{area}.json").read_text())
         for p in board["panels"]:
-            panel = Panel(p["title"], p["fieldConfig"]["defaults"].get("unit", ""), section=area)
+            unit = p["fieldConfig"]["defaults"].get("unit", "")
+            panel = Panel(p["title"], "" if unit == "short" else unit, section=area)  # Grafana's "short": a number
             for target in p["targets"]:
                 expr = target["expr"].replace("$osvl_job", job).replace("$run", run)
                 for s in query_range(base, expr, start, end, step):
