@@ -87,6 +87,14 @@ def _get(base: str, path: str, **params: str) -> dict:
         return json.loads(e.read())
 
 
+def _ready(base: str) -> bool:
+    try:
+        with urllib.request.urlopen(base + "/-/ready", timeout=5) as resp:
+            return resp.status == 200
+    except OSError:  # not listening yet, or still loading its storage (503)
+        return False
+
+
 def _picture_questions(out: Path) -> Path:
     """A synthesize-shaped folder (rl.parquet + images/) with the scripted agent's picture questions."""
     import pyarrow as pa
@@ -150,6 +158,12 @@ def test_prometheus_scrapes_a_grpo_job_by_osvl_labels_and_fires_the_fatal_rate_a
                              f"--web.listen-address=127.0.0.1:{port}", f"--storage.tsdb.path={tmp / 'tsdb'}"],
                             stdout=subprocess.DEVNULL, stderr=(tmp / "prometheus.log").open("w"))
     questions = _picture_questions(tmp_path / "questions")
+    ready = time.time() + 120
+    while not _ready(base) and time.time() < ready and prom.poll() is None:
+        time.sleep(1)
+    if not _ready(base):
+        prom.kill()
+        pytest.fail("Prometheus did not become ready: " + (tmp / "prometheus.log").read_text()[-2000:])
     run = f"obs-{os.getpid()}"
     cmd = [sys.executable, str(REPO / "jobs" / "grpo.py"), f"--run.root={tmp_path / 'runs'}", f"--run.name={run}",
            f"--questions={questions}", f"--model={tiny_checkpoint('qwen3_vl')}", "--eval.n_heldout=0",
@@ -158,8 +172,12 @@ def test_prometheus_scrapes_a_grpo_job_by_osvl_labels_and_fires_the_fatal_rate_a
            "--rollout.max_new_tokens=24", "--rollout.offer=crop,text_search",
            f"--rollout.schemas={questions / 'schemas.json'}"]
     env = {**os.environ, "RAY_ADDRESS": "", "RAY_TMPDIR": str(tmp)}
-    job = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=(tmp / "job.log").open("w"), stderr=subprocess.STDOUT,
-                           start_new_session=True)
+
+    def start_job() -> subprocess.Popen:
+        return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=(tmp / "job.log").open("w"), stderr=subprocess.STDOUT,
+                                start_new_session=True)
+
+    job, restarts = start_job(), 0
     sel = f'osvl_job="grpo", run="{run}"'
     wanted = {  # learner, rollout and engine series, selected by osvl's labels only
         "learner": f"ray_osvl_rl_fatal_ratio{{{sel}}}",
@@ -172,7 +190,14 @@ def test_prometheus_scrapes_a_grpo_job_by_osvl_labels_and_fires_the_fatal_rate_a
     try:
         t0 = time.time()
         deadline = t0 + 600  # left as soon as all arrive; a loaded machine starts Ray and Ray Train slowly
-        while time.time() < deadline and job.poll() is None and set(found) != set(wanted):
+        while time.time() < deadline and set(found) != set(wanted):
+            if job.poll() is not None:
+                # Ray gives a new node 30 s (hard-coded) to register; a machine at load 100 can miss that
+                if restarts < 2 and "timed out during startup" in (tmp / "job.log").read_text():
+                    _stop_group(job, tmp)
+                    job, restarts = start_job(), restarts + 1
+                    continue
+                break
             for key, query in wanted.items():
                 if key not in found:
                     res = _get(base, "/api/v1/query", query=query)
