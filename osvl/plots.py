@@ -56,7 +56,7 @@ def dashboard_grid(panels: list[Panel], out: str | Path, title: str = "", column
         ax.axis("off")
     if title:
         fig.suptitle(title, fontsize=11)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 1, 1 - 0.3 / fig.get_figheight()) if title else None)  # room for the title
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=dpi)
