@@ -6,10 +6,14 @@ renamed one cannot leave a dead panel behind (``tests/test_dashboards.py`` check
 that the committed JSON equals what this script writes).
 
 One dashboard per metric area (the second word of the name: ``osvl_tool_*`` ->
-``osvl-tool.json``). Panel queries by kind:
+``osvl-tool.json``). Every query selects ``{osvl_job=~"$osvl_job", run=~"$run"}`` (two
+dashboard variables, "All" by default) and keeps those two labels, so two runs on one
+cluster are two lines. Panel queries by kind:
 - counter: per-second rate, summed by the metric's tags;
-- gauge: current value, summed by tags;
-- histogram: p50 and p99 over 5 minutes, by the first tag.
+- gauge: current value, summed by tags (Ray's own node/worker labels summed away);
+- histogram: p50 and p99 over 5 minutes, by osvl_job, run and the metric's first own tag.
+
+``dashboards/render.py`` draws the same panels from a Prometheus server into one PNG.
 
     python dashboards/build.py          # rewrite dashboards/osvl-*.json
 """
@@ -23,27 +27,34 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from osvl.metrics import SPECS, MetricSpec, prometheus_name  # noqa: E402  (needs the sys.path line)
+from osvl.metrics import LABELS, SPECS, MetricSpec, prometheus_name  # noqa: E402  (needs the sys.path line)
+
+SELECT = '{osvl_job=~"$osvl_job", run=~"$run"}'
 
 
 def _targets(spec: MetricSpec) -> list[dict]:
     name = prometheus_name(spec)
     by = ", ".join(spec.tag_keys)
-    legend = " ".join("{{" + t + "}}" for t in spec.tag_keys) or spec.name
+    legend = " ".join("{{" + t + "}}" for t in spec.tag_keys)
     if spec.kind == "counter":
-        expr = f"sum by ({by}) (rate({name}[1m]))" if by else f"sum(rate({name}[1m]))"
-        return [{"expr": expr, "legendFormat": legend, "refId": "A"}]
+        return [{"expr": f"sum by ({by}) (rate({name}{SELECT}[1m]))", "legendFormat": legend, "refId": "A"}]
     if spec.kind == "gauge":
-        expr = f"sum by ({by}) ({name})" if by else f"sum({name})"
-        return [{"expr": expr, "legendFormat": legend, "refId": "A"}]
-    first = spec.tag_keys[0] if spec.tag_keys else None
-    group = f"le, {first}" if first else "le"
+        return [{"expr": f"sum by ({by}) ({name}{SELECT})", "legendFormat": legend, "refId": "A"}]
+    group = ", ".join(("le",) + LABELS + spec.own_tags[:1])
+    legend = " ".join("{{" + t + "}}" for t in LABELS + spec.own_tags[:1])
     out = []
     for ref, q in (("A", 0.5), ("B", 0.99)):
-        expr = f"histogram_quantile({q}, sum by ({group}) (rate({name}_bucket[5m])))"
-        legend = (f"p{int(q * 100)} {{{{{first}}}}}" if first else f"p{int(q * 100)}")
-        out.append({"expr": expr, "legendFormat": legend, "refId": ref})
+        expr = f"histogram_quantile({q}, sum by ({group}) (rate({name}_bucket{SELECT}[5m])))"
+        out.append({"expr": expr, "legendFormat": f"p{int(q * 100)} {legend}", "refId": ref})
     return out
+
+
+def _variable(label: str) -> dict:
+    """A multi-value dashboard variable over the values of ``label`` on osvl's series ("All" = any)."""
+    query = f'label_values({{__name__=~"ray_osvl_.+"}}, {label})'
+    return {"name": label, "type": "query", "datasource": {"type": "prometheus", "uid": "${datasource}"},
+            "query": query, "definition": query, "refresh": 2, "includeAll": True, "multi": True,
+            "allValue": ".*", "current": {"text": "All", "value": "$__all"}}
 
 
 def _unit(spec: MetricSpec) -> str:
@@ -74,7 +85,8 @@ def dashboard(area: str, specs: list[MetricSpec]) -> dict:
         "schemaVersion": 39,
         "time": {"from": "now-1h", "to": "now"},
         "refresh": "10s",
-        "templating": {"list": [{"name": "datasource", "type": "datasource", "query": "prometheus"}]},
+        "templating": {"list": [{"name": "datasource", "type": "datasource", "query": "prometheus"},
+                                _variable("osvl_job"), _variable("run")]},
         "panels": panels,
     }
 

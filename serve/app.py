@@ -74,10 +74,6 @@ class ServeConfig:
                          "when it is set where the app is built, every /v1 call must carry it.")
 
 
-def _tags(tool: str) -> dict[str, str]:
-    return {"tool": tool}
-
-
 class _ToolReplica:
     """What every tool replica does around one call: context, thread, metrics."""
 
@@ -87,9 +83,13 @@ class _ToolReplica:
         self.options: dict[str, Any] = dict(self.cfg.options)
         self.in_flight = 0
         try:
-            self.replica = serve.get_replica_context().replica_id.unique_id
+            ctx = serve.get_replica_context()
+            self.replica, app = ctx.replica_id.unique_id, ctx.app_name
         except Exception:  # noqa: BLE001 - constructed outside Serve (unit use)
-            self.replica = "local"
+            self.replica, app = "local", "local"
+        from osvl.metrics import Recorder
+
+        self.rec = Recorder("serve", app)  # the tool API serves many runs: its run label is the Serve app
         self._lock = threading.Lock()
 
     async def call_many(self, calls: list[tuple[Any, Any, str]]) -> list[ToolResult]:
@@ -104,8 +104,7 @@ class _ToolReplica:
 
         with self._lock:
             self.in_flight += delta
-            metrics.metric(metrics.TOOL_IN_FLIGHT).set(self.in_flight, {"tool": self.tool.name,
-                                                                         "replica": self.replica})
+            self.rec.set(metrics.TOOL_IN_FLIGHT, self.in_flight, tool=self.tool.name, replica=self.replica)
 
     def _run(self, arguments: Any, images: Any, new_image_name: str, options: dict[str, Any] | None = None
              ) -> ToolResult:
@@ -122,8 +121,8 @@ class _ToolReplica:
         finally:
             self._in_flight(-1)
         status = "ok" if result.ok else result.error.kind
-        metrics.metric(metrics.TOOL_REQUESTS).inc(1, {"tool": self.tool.name, "status": status})
-        metrics.metric(metrics.TOOL_LATENCY).observe(time.perf_counter() - start, _tags(self.tool.name))
+        self.rec.inc(metrics.TOOL_REQUESTS, 1, tool=self.tool.name, status=status)
+        self.rec.observe(metrics.TOOL_LATENCY, time.perf_counter() - start, tool=self.tool.name)
         return result
 
 
@@ -270,7 +269,7 @@ class BatchedToolDeployment(_ToolReplica):
     async def _batch(self, requests: list[tuple[Any, Any, str]]) -> list[ToolResult]:
         from osvl import metrics
 
-        metrics.metric(metrics.TOOL_BATCH_SIZE).observe(len(requests), _tags(self.tool.name))
+        self.rec.observe(metrics.TOOL_BATCH_SIZE, len(requests), tool=self.tool.name)
         coalescer = None if self._model is None else _Coalescer(self._model, len(requests))
         loop = asyncio.get_running_loop()
         return list(await asyncio.gather(*[loop.run_in_executor(self._pool, self._run_one, r, coalescer)

@@ -372,6 +372,8 @@ def train_loop(config: dict[str, Any]) -> None:
         return secs
 
     sync_s = push(learner.step_count)
+    if rank == 0:
+        record_limits(config["recorder"], cfg, config["max_staleness"])
     log = open(config["log_path"], "a") if rank == 0 else None  # noqa: SIM115 - closed below
     try:
         while learner.step_count + learner.skipped < config["steps"]:
@@ -397,7 +399,7 @@ def train_loop(config: dict[str, Any]) -> None:
                 row = step_row(step, groups, res, wait_s, sync_s, ray.get(buffer.stats.remote()))
                 log.write(json.dumps(row) + "\n")
                 log.flush()
-                record_metrics(row)
+                record_metrics(config["recorder"], row, config["steps"])
     finally:
         if log is not None:
             log.close()
@@ -428,29 +430,40 @@ def step_row(step: int, groups: Sequence[Sequence[Any]], res: StepResult | None,
     return row
 
 
-def record_metrics(row: Mapping[str, Any]) -> None:
-    """Export a step's figures through Ray's metric API (specs in osvl/metrics.py)."""
+def record_limits(rec: Any, cfg: RLConfig, max_staleness: int) -> None:
+    """Export the run's bounds once, so alert rules compare KL, entropy and staleness against them."""
+    from osvl import metrics as M
+
+    for name, value in (("kl_max", cfg.kl_max), ("entropy_min", cfg.entropy_min), ("entropy_max", cfg.entropy_max),
+                        ("max_staleness", max_staleness)):
+        rec.set(M.RL_LIMIT, value, limit=name)
+
+
+def record_metrics(rec: Any, row: Mapping[str, Any], steps: int) -> None:
+    """Export a step's figures through Ray's metric API (specs in osvl/metrics.py) with the run's labels."""
     from osvl import metrics as M
 
     for part in ("reward", "r_fmt", "r_acc", "r_query"):
-        M.metric(M.RL_REWARD).set(row[part], tags={"part": part})
-    M.metric(M.RL_ACCURACY).set(row["accuracy"])
-    M.metric(M.RL_FATAL_RATE).set(row["fatal_rate"])
-    M.metric(M.RL_BUFFER_DEPTH).set(row["buffer_ready"])
-    M.metric(M.RL_WEIGHT_SYNC).observe(row["weight_sync_s"])
+        rec.set(M.RL_REWARD, row[part], part=part)
+    rec.set(M.RL_ACCURACY, row["accuracy"])
+    rec.set(M.RL_FATAL_RATE, row["fatal_rate"])
+    rec.set(M.RL_BUFFER_DEPTH, row["buffer_ready"])
+    rec.observe(M.RL_WEIGHT_SYNC, row["weight_sync_s"])
+    rec.set(M.RL_STEPS_LEFT, steps - row["step"])
+    rec.set(M.RL_LAST_STEP, row["time"])
+    if row["versions"]:
+        rec.set(M.RL_STALENESS_NOW, row["step"] - 1 - min(row["versions"]))
     for age, count in row["staleness"].items():
-        M.metric(M.RL_STALENESS).set(count, tags={"staleness": str(age)})
+        rec.set(M.RL_STALENESS, count, staleness=age)
     if "loss" in row:
         for split in ("clamped", "kept_positive"):
-            if row[split] > 0:  # Ray counters refuse inc(0)
-                M.metric(M.RL_CLAMPED).inc(row[split], tags={"split": split})
-        M.metric(M.TRAIN_LOSS).set(row["loss"], tags={"job": "grpo"})
-        M.metric(M.TRAIN_GRAD_NORM).set(row["grad_norm"], tags={"job": "grpo"})
-        M.metric(M.RL_KL).set(row["kl"])
-        M.metric(M.RL_CLIP_FRACTION).set(row["clip_fraction"])
-        M.metric(M.RL_ENTROPY).set(row["entropy"])
-        M.metric(M.RL_MASK_COVERAGE).set(row["mask_coverage"])
-        M.metric(M.RL_TOKENS_PER_S).set(row["tokens_per_s"])
-        M.metric(M.RL_STEP_TIME).observe(row["step_s"])
-        if row["skipped"]:
-            M.metric(M.RL_SKIPPED).inc(1)
+            rec.inc(M.RL_CLAMPED, row[split], split=split)
+        rec.set(M.TRAIN_LOSS, row["loss"])
+        rec.set(M.TRAIN_GRAD_NORM, row["grad_norm"])
+        rec.set(M.RL_KL, row["kl"])
+        rec.set(M.RL_CLIP_FRACTION, row["clip_fraction"])
+        rec.set(M.RL_ENTROPY, row["entropy"])
+        rec.set(M.RL_MASK_COVERAGE, row["mask_coverage"])
+        rec.set(M.RL_TOKENS_PER_S, row["tokens_per_s"])
+        rec.observe(M.RL_STEP_TIME, row["step_s"])
+        rec.inc(M.RL_SKIPPED, int(bool(row["skipped"])))

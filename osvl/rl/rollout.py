@@ -108,7 +108,7 @@ class RolloutWorker:
 
     def __init__(self, actor_id: str, cfg: RolloutConfig, model_dir: str, questions: list[dict[str, Any]],
                  question_image_dir: str, image_dir: str, buffer: Any, store: Any, group_size: int,
-                 mask_at: str = "cascade") -> None:
+                 mask_at: str = "cascade", recorder: Any = None) -> None:
         import torch
 
         from osvl.agent.engines import make_engine
@@ -123,20 +123,54 @@ class RolloutWorker:
         self.engine = make_engine(cfg.engine, model_dir, max_batch=cfg.max_batch, version=-1)
         self.processor = self.engine.processor
         self.tools = offered_tools(cfg.offer, cfg.schemas)
+        self.rec = recorder
         self.client = self._client()
         self.agent_cfg = AgentConfig(max_turns=cfg.max_turns, max_new_tokens=cfg.max_new_tokens,
                                      max_episode_tokens=cfg.max_episode_tokens, k=cfg.k,
                                      stop_on_fatal=cfg.stop_on_fatal, mask_at=mask_at, temperature=cfg.temperature)
         self.stats = ActorStats()
         self._version_event: asyncio.Event | None = None
+        self.newest_seen = -1  # newest published version the weight poll has returned
+        self.in_flight = 0
+        self._engine_seen: dict[str, int] = {}
 
     def _client(self):
         from osvl.tools.client import make_client
 
         client = make_client(self.cfg.tools)
-        if self.cfg.tool_latency_s > 0:
-            client = _DelayedClient(client, self.cfg.tool_latency_s)
+        if self.cfg.tool_latency_s > 0 or self.rec is not None:
+            client = _MeteredClient(client, self.cfg.tool_latency_s, self.rec)
         return client
+
+    # -- metrics (osvl/metrics.py; skipped when the actor was built without a recorder) ----------
+
+    def _record_episode(self, traj: Any) -> None:
+        from osvl import metrics as M
+
+        rec = self.rec
+        rec.inc(M.ROLLOUT_EPISODES, 1, stop_reason=traj.stop_reason or "unknown")
+        rec.observe(M.ROLLOUT_TURNS, len(traj.turns))
+        rec.observe(M.ROLLOUT_TOOL_CALLS, sum(t.action == "tool_call" for t in traj.turns))
+        rec.inc(M.ENGINE_TOKENS, sum(traj.gen_mask), phase="decode")
+
+    def _record_engine(self) -> None:
+        """What the engine reports about itself since the last call (the HF engine's prefill tokens and
+        decoding steps; engines without those counters export decode tokens only) and the version lag."""
+        from osvl import metrics as M
+
+        rec, stats = self.rec, getattr(self.engine, "stats", {})
+        delta = {k: stats.get(k, 0) - self._engine_seen.get(k, 0) for k in ("prefill_tokens", "steps", "row_steps")}
+        self._engine_seen.update({k: stats.get(k, 0) for k in delta})
+        rec.inc(M.ENGINE_TOKENS, delta["prefill_tokens"], phase="prefill")
+        if delta["steps"] > 0 and "row_steps" in stats:
+            rec.set(M.ENGINE_BATCH, delta["row_steps"] / delta["steps"], actor=self.id)
+        rec.set(M.ENGINE_LAG, max(0, self.newest_seen - self.engine.version), actor=self.id)
+        rec.set(M.ROLLOUT_IN_FLIGHT, self.in_flight, actor=self.id)
+
+    async def _export_metrics(self, every_s: float = 5.0) -> None:
+        while True:
+            self._record_engine()
+            await asyncio.sleep(every_s)
 
     # -- weights --------------------------------------------------------------
 
@@ -146,12 +180,17 @@ class RolloutWorker:
             version, ref = await self.store.wait_newer.remote(self.engine.version, self.cfg.weight_poll_s)
             if version < 0:
                 continue
+            self.newest_seen = max(self.newest_seen, version)
             t0 = time.perf_counter()
             state = await ref[0]
             await asyncio.to_thread(self.engine.update_weights, state, version)
             del state
             self.stats.weight_updates += 1
             self.stats.weight_sync_s += time.perf_counter() - t0
+            if self.rec is not None:
+                from osvl.metrics import ENGINE_WEIGHT_UPDATE
+
+                self.rec.observe(ENGINE_WEIGHT_UPDATE, time.perf_counter() - t0)
             self._version_event.set()
             self._version_event = asyncio.Event()
 
@@ -168,9 +207,15 @@ class RolloutWorker:
         row = self.questions[work.question_index]
         images = question_images(self.question_image_dir, row)
         store: dict = {}
-        traj = await run_episode(self.engine, row, images, self.client, self.agent_cfg, processor=self.processor,
-                                 tools=self.tools, seed=work.seed + i, group_id=work.group_id, sample=i,
-                                 image_store=store)
+        self.in_flight += 1
+        try:
+            traj = await run_episode(self.engine, row, images, self.client, self.agent_cfg, processor=self.processor,
+                                     tools=self.tools, seed=work.seed + i, group_id=work.group_id, sample=i,
+                                     image_store=store)
+        finally:
+            self.in_flight -= 1
+        if self.rec is not None:
+            self._record_episode(traj)
         self._save_images(traj, store)
         scoring = RewardConfig(alpha=self.cfg.alpha, prefix_end=self.agent_cfg.mask_at, fmt_scope=self.cfg.fmt_scope)
         return await score_trajectory(traj, row, scoring)
@@ -205,11 +250,16 @@ class RolloutWorker:
     async def run(self) -> dict[str, Any]:
         """Work until the buffer has issued every slot of the run; returns this actor's counters."""
         self._version_event = asyncio.Event()
-        sync = asyncio.create_task(self._sync_weights())
+        background = [asyncio.create_task(self._sync_weights())]
+        if self.rec is not None:
+            background.append(asyncio.create_task(self._export_metrics()))
         try:
             await asyncio.gather(*(self._group_worker() for _ in range(self.cfg.groups_in_flight)))
         finally:
-            sync.cancel()
+            for task in background:
+                task.cancel()
+            if self.rec is not None:
+                self._record_engine()  # the last figures (in flight back to 0)
         return self.get_stats()
 
     def get_stats(self) -> dict[str, Any]:
@@ -221,18 +271,27 @@ class RolloutWorker:
         return os.getpid()
 
 
-class _DelayedClient:
-    """A tool client whose every call takes ``delay`` seconds longer (the benchmark's simulated latency)."""
+class _MeteredClient:
+    """A tool client whose every call takes ``delay`` seconds longer (the benchmark's simulated latency) and,
+    given a recorder, is metered as the agent sees it: latency and result by tool (``osvl_rollout_tool_*``)."""
 
-    def __init__(self, inner: Any, delay: float) -> None:
-        self.inner, self.delay = inner, delay
+    def __init__(self, inner: Any, delay: float, recorder: Any = None) -> None:
+        self.inner, self.delay, self.rec = inner, delay, recorder
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
-    async def call(self, *args: Any, **kwargs: Any) -> Any:
-        await asyncio.sleep(self.delay)
-        return await self.inner.call(*args, **kwargs)
+    async def call(self, name: str, *args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        if self.delay > 0:
+            await asyncio.sleep(self.delay)
+        result = await self.inner.call(name, *args, **kwargs)
+        if self.rec is not None:
+            from osvl import metrics as M
+
+            self.rec.observe(M.ROLLOUT_TOOL_LATENCY, time.perf_counter() - t0, tool=name)
+            self.rec.inc(M.ROLLOUT_TOOL_RESULTS, 1, tool=name, status="ok" if result.ok else result.error.kind)
+        return result
 
 
 async def _eval_episodes(model_dir: str, questions: list[dict[str, Any]], image_dir: str, cfg: RolloutConfig,

@@ -84,12 +84,13 @@ class Monitor(threading.Thread):
     """Driver-side: restart dead rollout actors (their slots re-issued) and print the per-step table."""
 
     def __init__(self, make_actor: Callable[[str], Any], buffer: Any, actors: dict[str, Any], log_path: Path,
-                 print_row: Callable[[dict], None], max_restarts: int, log: Callable[[str], None]) -> None:
+                 print_row: Callable[[dict], None], max_restarts: int, log: Callable[[str], None],
+                 recorder: Any) -> None:
         super().__init__(daemon=True)
         self.make_actor, self.buffer, self.actors = make_actor, buffer, actors
         self.runs = {name: a.run.remote() for name, a in actors.items()}
         self.log_path, self.print_row = log_path, print_row
-        self.max_restarts, self.log = max_restarts, log
+        self.max_restarts, self.log, self.rec = max_restarts, log, recorder
         self.stop = threading.Event()
         self.restarts: list[str] = []
         self.finished: dict[str, dict] = {}
@@ -98,7 +99,11 @@ class Monitor(threading.Thread):
     def run(self) -> None:
         import ray
 
+        from osvl.metrics import ROLLOUT_ACTORS_LIVE, ROLLOUT_RESTARTS
+
         while not self.stop.is_set():
+            self.rec.set(ROLLOUT_ACTORS_LIVE, len(self.runs))
+            self.rec.set(ROLLOUT_RESTARTS, len(self.restarts))
             pending = list(self.runs.values())
             done, _ = ray.wait(pending, num_returns=len(pending), timeout=0.5) if pending else ([], [])
             for ref in done:
@@ -146,6 +151,7 @@ def train(parts: GRPOParts, model_dir: str | Path, questions: list[dict[str, Any
     import ray
 
     from osvl.cluster import init_ray
+    from osvl.metrics import Recorder
     from osvl.rl import checkpoint as ckpt
     from osvl.rl.buffer import TrajectoryBuffer
     from osvl.rl.learner import train_loop
@@ -175,22 +181,24 @@ def train(parts: GRPOParts, model_dir: str | Path, questions: list[dict[str, Any
         log_path.unlink()  # a fresh run: no stale rows from a run that died before its first checkpoint
     store = ray.remote(WeightStore).options(num_cpus=0).remote()
     questions_ref = ray.put(questions)
+    rec = Recorder(JOB, out.name)  # every series of this run: osvl_job="grpo", run=<run folder name>
 
     def make_actor(name: str) -> Any:
         return ray.remote(RolloutWorker).options(num_cpus=rc.cpus_per_actor, max_restarts=0, **named(name)).remote(
             name, rc, str(model_dir), questions_ref, str(question_image_dir), str(image_dir), buffer, store,
-            parts.rl.group_size, parts.rl.mask_at)
+            parts.rl.group_size, parts.rl.mask_at, rec)
 
     actors = {f"rollout{i}": make_actor(f"rollout{i}") for i in range(rc.num_actors)}
     monitor = Monitor(make_actor, buffer, actors, log_path, print_row or (lambda row: None), tc.max_actor_restarts,
-                      log)
+                      log, rec)
     monitor.start()
     loop_config = {"rl": parts.rl, "model_dir": str(model_dir), "image_dir": str(image_dir), "buffer": buffer,
                    "store": store, "steps": tc.steps, "resume": str(resume or ""), "ckpt_root": str(ckpt_root),
                    "ckpt_every": tc.ckpt_every, "keep": tc.keep, "zero_stage": parts.learner.zero_stage,
                    "threads": parts.learner.threads_per_worker, "log_path": str(log_path),
                    "weights_every": tc.weights_every, "seed": parts.run.seed,
-                   "temperature": parts.rollout.temperature}
+                   "temperature": parts.rollout.temperature, "recorder": rec,
+                   "max_staleness": tc.max_staleness}
     t0 = time.perf_counter()
     try:
         trainer = make_trainer(train_loop, loop_config, num_workers=parts.learner.num_workers,

@@ -317,10 +317,23 @@ class ShardWorker:
             if shard == 0:  # the graph is the same for every shard: count its bad rows once
                 counts["graph_bad_rows"] = Counter(self.graph.bad)
             commit_shard(self.out / "shards", shard, rows, counts)
+            record_counts(self.out.name, {"seeds": len(self.shards[shard]), "questions": len(rows)}, counts)
             done.append(shard)
             sizes.append(len(rows))
             secs.append(time.perf_counter() - t0)
         return {"shard": np.array(done), "questions": np.array(sizes), "seconds": np.array(secs)}
+
+
+def record_counts(run: str, rows: dict[str, int], drops: dict[str, Counter[str]]) -> None:
+    """Export rows out of each stage and drops by stage and reason (``osvl_synth_*``, labels osvl_job, run)."""
+    from osvl import metrics as M
+
+    rec = M.Recorder(JOB, run)
+    for stage, n in rows.items():
+        rec.inc(M.SYNTH_ROWS, n, stage=stage)
+    for stage, reasons in drops.items():
+        for reason, n in reasons.items():
+            rec.inc(M.SYNTH_DROPPED, n, stage=stage, reason=reason)
 
 
 def shard_path(shard_dir: Path, shard: int) -> Path:
@@ -484,6 +497,8 @@ def finalize(cfg: SynthConfig, out: Path, num_shards: int, seconds: float, seeds
         tmp = out / f"{split}.parquet.tmp"
         pq.write_table(part, tmp)
         os.replace(tmp, out / f"{split}.parquet")
+    record_counts(out.name, {"kept": table.num_rows},
+                  {k: counts[k] for k in ("difficulty_filter", "caps") if k in counts})
     card = data_card(cfg, table, counts, seconds, seeds_planned)
     (out / "data_card.json").write_text(json.dumps(card, indent=1, sort_keys=False))
     (out / "data_card.md").write_text(card_markdown(card))

@@ -227,7 +227,7 @@ def train_loop(config: dict) -> None:
     import torch
     import torch.distributed as dist
 
-    from osvl.metrics import TRAIN_GRAD_NORM, TRAIN_LOSS, TRAIN_LR, TRAIN_TOKENS_PER_S, TRAIN_VAL_LOSS, metric
+    from osvl.metrics import TRAIN_GRAD_NORM, TRAIN_LOSS, TRAIN_LR, TRAIN_TOKENS_PER_S, TRAIN_VAL_LOSS, Recorder
     from osvl.models.load import load_processor
     from osvl.train.deepspeed import ds_config, init_engine, load_checkpoint, save_checkpoint
 
@@ -257,7 +257,7 @@ def train_loop(config: dict) -> None:
             print(f"sft: resumed at step {step}/{total}", flush=True)
             with log_file.open("a") as f:
                 f.write(json.dumps({"resumed_at": step}) + "\n")
-    job = {"job": JOB}
+    rec = Recorder(JOB, log_file.parent.name)  # run label: the run folder (config hash or run.name)
     rows_per_micro = world * cfg.micro_batch
     micro_per_epoch = config["train_rows"] // rows_per_micro
     t_start = t_last = t_step = time.time()
@@ -279,17 +279,17 @@ def train_loop(config: dict) -> None:
         if rank == 0:
             with log_file.open("a") as f:
                 f.write(json.dumps(log) + "\n")
-            metric(TRAIN_LOSS).set(loss, tags=job)
-            metric(TRAIN_LR).set(lr, tags=job)
-            metric(TRAIN_GRAD_NORM).set(grad_norm, tags=job)
+            rec.set(TRAIN_LOSS, loss)
+            rec.set(TRAIN_LR, lr)
+            rec.set(TRAIN_GRAD_NORM, grad_norm)
             if not math.isnan(val_loss):
-                metric(TRAIN_VAL_LOSS).set(val_loss, tags=job)
+                rec.set(TRAIN_VAL_LOSS, val_loss)
         if step % cfg.log_every == 0 or is_last:
             now = time.time()
             tps = tok_since / max(now - t_last, 1e-9)
             t_last, tok_since = now, 0
             if rank == 0:
-                metric(TRAIN_TOKENS_PER_S).set(tps, tags=job)
+                rec.set(TRAIN_TOKENS_PER_S, tps)
                 el = now - t_start
                 val = f" | val {val_loss:.4f}" if not math.isnan(val_loss) else ""
                 print(f"sft step {step}/{total} | loss {loss:.4f}{val} | lr {lr:.2e} | gnorm {grad_norm:.3f} | "

@@ -1,0 +1,64 @@
+"""Every PNG osvl makes is drawn here (matplotlib, the non-interactive Agg backend).
+
+One function per figure kind; callers hand over plain data (no Prometheus or Ray types), so a
+figure can be redrawn from saved numbers.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+@dataclass
+class Panel:
+    """One dashboard panel: a title, a unit for the y axis, and named time series ``(unix times, values)``."""
+
+    title: str
+    unit: str = ""
+    series: list[tuple[str, list[float], list[float]]] = field(default_factory=list)
+    section: str = ""  # the dashboard the panel comes from, shown above its title
+
+
+def dashboard_grid(panels: list[Panel], out: str | Path, title: str = "", columns: int = 4,
+                   dpi: int = 72) -> Path:
+    """Draw ``panels`` as a grid of small time-series plots (minutes since the first sample on x) into ``out``.
+
+    Panels without data say so instead of being dropped, so a missing series is visible. Legends show
+    at most 6 series (the rest are drawn, not named) to keep the panels readable.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = max(1, math.ceil(len(panels) / columns))
+    fig, axes = plt.subplots(rows, columns, figsize=(4.2 * columns, 2.6 * rows), squeeze=False)
+    starts = [t[0] for p in panels for _, t, _ in p.series if t]
+    t0 = min(starts) if starts else 0.0
+    for ax, panel in zip(axes.flat, panels, strict=False):
+        ax.set_title((f"{panel.section}: " if panel.section else "") + panel.title, fontsize=8)
+        ax.tick_params(labelsize=7)
+        if not panel.series:
+            ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes, color="grey")
+            ax.set_xticks([])
+            ax.set_yticks([])
+            continue
+        for i, (name, times, values) in enumerate(panel.series):
+            ax.plot([(t - t0) / 60 for t in times], values, lw=1.2, label=name if i < 6 else None)
+        ax.set_xlabel("minutes", fontsize=7)
+        if panel.unit:
+            ax.set_ylabel(panel.unit, fontsize=7)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=6, loc="best", frameon=False)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.axis("off")
+    if title:
+        fig.suptitle(title, fontsize=11)
+    fig.tight_layout(rect=(0, 0, 1, 1 - 0.3 / fig.get_figheight()) if title else None)  # room for the title
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=dpi)
+    plt.close(fig)
+    return out
