@@ -156,9 +156,11 @@ def write_json_dump(world: tuple[dict, list], path: Path) -> Path:
 def write_triples(world: tuple[dict, list], path: Path, labels: Path) -> tuple[Path, Path]:
     items, claims = world
     rows = ["subject\tproperty\tobject"]
-    for s, p, v in claims:
+    for k, (s, p, v) in enumerate(claims):
         if isinstance(v, dict):
             v = v["amount"].lstrip("+") if v["type"] == "quantity" else v["time"][1:11]
+        if k % 2:  # the Query Service's CSV names entities by URI
+            s, p = f"http://www.wikidata.org/entity/{s}", f"http://www.wikidata.org/prop/direct/{p}"
         rows.append(f"{s}\t{p}\t{v}")
     path.write_text("\n".join(rows) + "\n")
     lab = ["id\tlabel\tdescription"] + [f"{q}\t{it['label']}\t{it['description']}" for q, it in items.items()]
@@ -247,3 +249,20 @@ def test_wikidata_values_read_as_words():
         "P18": [{"mainsnak": {"datatype": "commonsMedia", "datavalue": {"value": "A.jpg", "type": "string"}}}],
         "P571": [{"mainsnak": {"datatype": "time", "datavalue": {"value": {"time": "bad"}, "type": "time"}}}]}}) + ",")
     assert [c["kind"] for c in rec["claims"]] == ["skip", "image", "skip"]
+
+
+def test_infeasible_answer_cap_still_caps_each_answer():
+    import pyarrow as pa
+
+    from osvl.synth.pipeline import ROW_SCHEMA, cap_shares
+
+    # 31% of the questions on one answer, 12 answers in all: no cap can reach 2.5%
+    answers = ["Paris"] * 10 + [f"a{k}" for k in range(11)] + ["a0"] * 11
+    rows = [{"id": f"{k:03d}", "question": "q", "answer": a, "answer_aliases": [], "answer_key": "k", "images": [],
+             "path": [{"entity_id": k, "title": "t", "relation": "", "descriptor_kind": "visual",
+                       "descriptor_key": "", "descriptor_value": ""}], "hops": 2, "degraded": False,
+             "degradation": "", "provenance": None, "licence": "CC0", "split": "sft"} for k, a in enumerate(answers)]
+    drops: Counter[str] = Counter()
+    kept = cap_shares(pa.Table.from_pylist(rows, schema=ROW_SCHEMA), 0.025, 1.0, drops)
+    assert sorted(kept.column("answer").to_pylist()) == sorted({*answers})
+    assert drops["answer_share_cap_infeasible"] == 1 and drops["answer_share_cap"] == len(answers) - 12

@@ -8,7 +8,8 @@ Two input formats:
   title, aliases, description); property entities in the same file give the relation
   names, with ``PROPERTY_LABELS`` for the common ones a small extract lacks.
 - **Triples**: a text file of ``subject, property, object`` rows (tab-separated for
-  ``.tsv``, else comma-separated; a ``subject,property,object`` header is skipped), with
+  ``.tsv``, else comma-separated; a ``subject,property,object`` header is skipped; the
+  Query Service's entity URIs are read as their ids, so its CSV output loads as is), with
   a label table (``--labels``: ``id, label[, description]`` rows, same delimiter rule)
   naming the ids. An object that is a subject, or has a label and looks like an item id
   (``Q42``), is an entity; anything else is a literal.
@@ -162,6 +163,13 @@ def _rows(path: Path) -> list[list[str]]:
     return [r for r in csv.reader(io.StringIO(text), delimiter="\t" if path.suffix == ".tsv" else ",") if r]
 
 
+def _bare(cell: str) -> str:
+    """``http://www.wikidata.org/entity/Q90`` (as the Query Service writes CSV) -> ``Q90``."""
+    cell = cell.strip()
+    return cell.rsplit("/", 1)[-1] if cell.startswith(("http://www.wikidata.org/", "https://www.wikidata.org/")) \
+        else cell
+
+
 def parse_triple(line: str, delimiter: str) -> tuple[str, str, str] | None:
     """One ``subject, property, object`` row (None for blanks and the header); ``DataError`` when not three fields."""
     if not line.strip():
@@ -169,7 +177,7 @@ def parse_triple(line: str, delimiter: str) -> tuple[str, str, str] | None:
     row = next(csv.reader([line], delimiter=delimiter))
     if len(row) != 3 or not all(x.strip() for x in row):
         raise DataError(f"not a subject, property, object row: {line[:80]!r}")
-    s, p, o = (x.strip() for x in row)
+    s, p, o = (_bare(x) for x in row)
     return None if (s.lower(), p.lower(), o.lower()) == ("subject", "property", "object") else (s, p, o)
 
 
@@ -194,7 +202,7 @@ def _records_from_triples(triples: list[tuple[str, str, str]], labels_path: Path
     labels: dict[str, tuple[str, str]] = {}
     if labels_path is not None:
         for row in _rows(labels_path):
-            cells = [c.strip() for c in row] + ["", ""]
+            cells = [_bare(c) for c in row] + ["", ""]
             if cells[0].lower() != "id":
                 labels[cells[0]] = (cells[1], cells[2])
     subjects = {s for s, _, _ in triples}

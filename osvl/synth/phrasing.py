@@ -63,7 +63,7 @@ TABLE: dict[str, tuple[str, str]] = {
     "material used": ("the material {x} is made from", "that {x} is made from"),
     "headquarters location": ("the place where {x} has its headquarters", "where {x} has its headquarters"),
     "mouth of the watercourse": ("the water {x} flows into", "that {x} flows into"),
-    "linked_to": ("the page linked from the article on {x}", "mentioned in the article on {x}"),
+    "linked to": ("the page linked from the article on {x}", "mentioned in the article on {x}"),  # linked_to
 }
 NESTED: dict[str, tuple[str, str]] = {
     "place of birth": ("the birthplace of {x}", "that is the birthplace of {x}"),

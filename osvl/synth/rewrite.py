@@ -51,7 +51,7 @@ VISUAL_NOUNS = [
     (("painting", "sculpture", "artwork", "visual arts", "art "), "the artwork in the image"),
     (("building", "architecture", "tower", "bridge", "church", "cathedral", "temple", "palace", "castle",
       "monument", "mosque", "wall", "stadium"), "the building in the image"),
-    (("people", "person", "artist", "musician", "writer"), "the person in the image"),
+    (("people", "person", "artist", "musician", "writer", " human "), "the person in the image"),
     (("geography", "city", "cities", "country", "countries", "mountain", "river", "lake", "island",
       "region", "places"), "the place shown in the image"),
 ]

@@ -248,8 +248,13 @@ def assign_splits(graph: Graph, seeds: list[int], fractions: dict[str, float],
         for e in poor_seeds:
             for d in reach[e]:
                 sharers[d].append(e)
-        # the most specific shared entities first (a painter of six paintings before "human", which every
-        # person is an instance of and which can never bring all of its seeds into one split)
+        if level == 1:  # seeds whose one first hop this is go together, however many (a painter's paintings)
+            for d, group in sorted(sharers.items()):
+                alone = [e for e in group if walkable(e) == [d]]
+                for e in alone[1:]:
+                    union(e, alone[0], len(seeds))
+        # then the most specific shared entities first (a city before "human", which every person is an
+        # instance of and which can never bring all of its seeds into one split)
         for _, group in sorted(sharers.items(), key=lambda kv: (len(kv[1]), kv[0])):
             if 2 <= len(group) <= bound:
                 for e in group[1:]:
