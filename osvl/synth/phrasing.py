@@ -107,6 +107,19 @@ def label(key: str) -> str:
     return " ".join(key.replace("_", " ").split())
 
 
+def lower_first(text: str) -> str:
+    # "Painting by Seurat" -> "painting by Seurat", but keep "UNESCO site", "GDP (PPP)" and "Italian city"
+    if len(text) > 1 and text[0].isupper() and text[1].islower() and text.split()[0].lower() not in _PROPER:
+        return text[0].lower() + text[1:]
+    return text
+
+
+# Leading words that stay capitalised (nationalities and languages are the common case in short descriptions).
+_PROPER = {"american", "british", "english", "french", "german", "italian", "spanish", "chinese", "japanese",
+           "indian", "russian", "greek", "roman", "dutch", "australian", "canadian", "scottish", "irish",
+           "african", "european", "asian", "egyptian", "mexican", "brazilian", "swedish", "norwegian"}
+
+
 def _article(noun: str) -> str:
     return ("an " if noun[:1].lower() in "aeiou" else "a ") + noun
 
@@ -122,14 +135,14 @@ def relation_forms(relation: str, nested: bool = False) -> tuple[str, str]:
         return NESTED[folded]
     if folded in TABLE:
         return TABLE[folded]
-    words = folded.split()
+    words, rel = folded.split(), lower_first(rel)
     if words and words[0] in VERBS:
         return f"the one that {{x}} {rel}", f"that {{x}} {rel}"
     if len(words) >= 2 and words[-1] in PREPOSITIONS:
         # "member of" -> "is a member of"; "named after", "located near" are participles and take no article
         body = _article(rel) if words[-1] == "of" and len(words) == 2 and not words[0].endswith("ed") else rel
         return f"the one that {{x}} is {body}", f"that {{x}} is {body}"
-    return f"the {folded} of {{x}}", f"that is the {folded} of {{x}}"
+    return f"the {rel} of {{x}}", f"that is the {rel} of {{x}}"
 
 
 def relation_phrase(relation: str, inner: str, nested: bool = False) -> str:
@@ -144,16 +157,16 @@ def relation_clause(descriptor: str, relation: str, inner: str, nested: bool = F
 
 def attribute_phrase(key: str, value: str) -> str:
     """A descriptor from an attribute: "the one whose population is 2,100"."""
-    rel = label(key)
+    rel = lower_first(label(key))
     words = rel.lower().split()
     if words and (words[0] in VERBS or (len(words) >= 2 and words[-1] in PREPOSITIONS)):
         return f"the one that {rel} {value}" if words[0] in VERBS else f"the one {rel} {value}"
-    return f"the one whose {rel.lower()} is {value}"
+    return f"the one whose {rel} is {value}"
 
 
 def question(answer_key: str, inner: str, nested: bool = False) -> str:
     """The final question: what the answer attribute of the last entity is."""
-    return f"What is {relation_phrase(answer_key, inner, nested)}?"
+    return f"What is {relation_phrase(answer_key.lower(), inner, nested)}?"
 
 
 def readable(text: str) -> bool:

@@ -7,7 +7,9 @@ Stages, in order (each drops and counts by reason; the counts end up in the data
    seeds are dealt round-robin into ``num_shards`` shards.
 2. **synthesize** (Ray Data ``map_batches`` over shard numbers, one actor per worker,
    each loading the KG once): per seed, sample ``h``, walk, rewrite, check the three
-   invariants, deduplicate by path and answer, attach (and maybe degrade) an image.
+   invariants, deduplicate by path and answer, attach (and maybe degrade) an image;
+   a seed stops after ``patience`` attempts in a row made nothing new, and a seed that
+   made nothing is counted per split with its most frequent failure.
    Every shard has its own RNG seeded from ``(run.seed, shard)``, so a shard's rows
    do not depend on which worker ran it or when. A shard commits by renaming its
    Parquet file into ``shards/``; a rerun skips committed shards, which is the whole

@@ -35,6 +35,7 @@ from osvl.synth.phrasing import (
     attribute_phrase,
     clean,
     label,
+    lower_first,
     question,
     readable,
     relation_clause,
@@ -74,22 +75,9 @@ class Descriptor:
     value: str
 
 
-def _lower_first(text: str) -> str:
-    # "Painting by Seurat" -> "painting by Seurat", but keep "UNESCO site" and "Italian city"
-    if len(text) > 1 and text[0].isupper() and text[1].islower() and text.split()[0].lower() not in _PROPER:
-        return text[0].lower() + text[1:]
-    return text
-
-
-# Leading words that stay capitalised (nationalities and languages are the common case in short descriptions).
-_PROPER = {"american", "british", "english", "french", "german", "italian", "spanish", "chinese", "japanese",
-           "indian", "russian", "greek", "roman", "dutch", "australian", "canadian", "scottish", "irish",
-           "african", "european", "asian", "egyptian", "mexican", "brazilian", "swedish", "norwegian"}
-
-
 def descriptor_phrase(d: Descriptor) -> str:
     if d.kind == "description":
-        return "the " + _lower_first(d.value)
+        return "the " + lower_first(d.value)
     if d.kind == "category":
         leaf = label(category_leaf(d.value))
         # a lowercase leaf is a class name (Wikidata "city"): "the city"; a catalogue heading is not
