@@ -1,5 +1,8 @@
 """A MediaWiki ``pages-articles`` dump -> KG Parquet tables, with Ray Data (``jobs/build_kg.py``).
 
+(Wikidata input, ``--format=wikidata_json|wikidata_triples``, goes through ``osvl.kg.wikidata``
+instead; this module's ``run`` dispatches on the format.)
+
 Two passes:
 
 1. **Parse (parallel).** The driver streams the .bz2 with ``mediawiki.iter_page_fields``
@@ -49,6 +52,7 @@ import pyarrow.parquet as pq
 
 from osvl.config import REPO_ROOT, RunConfig, opt, run_dir
 from osvl.errors import ConfigError, DataError
+from osvl.kg import wikidata
 from osvl.kg.mediawiki import iter_page_fields, page_from_fields, parse_page
 from osvl.kg.schema import fold, write_kg
 
@@ -73,7 +77,8 @@ SHARD_SCHEMA = pa.schema([
 @dataclasses.dataclass
 class BuildKGConfig:
     run: RunConfig = opt(RunConfig, "Run root and global seed.")
-    input: str = opt(SAMPLE_INPUT, "MediaWiki pages-articles export (.xml or .xml.bz2); relative paths are "
+    input: str = opt(SAMPLE_INPUT, "MediaWiki pages-articles export (.xml or .xml.bz2), or Wikidata: a JSON dump "
+                     "(.json/.jsonl[.bz2|.gz]) or a triples file (.tsv/.csv), see --format; relative paths are "
                      "relative to the repo root. Default: the shared 2016 sample (106 articles, 99 redirects).")
     shard_pages: int = opt(20, "Pages (of any namespace, redirects included) per shard: the unit of work "
                            "and of resume.")
@@ -81,6 +86,36 @@ class BuildKGConfig:
                        "the driver reads ahead.", hashed=False)
     out_dir: str = opt("", "Also copy the KG tables here when set (e.g. a folder every node can read).",
                        hashed=False)
+    format: str = opt("auto", "Input format: mediawiki (pages-articles XML); wikidata_json (the Wikidata JSON "
+                      "dump: a JSON array or JSON Lines of entities with labels, aliases, descriptions, claims); "
+                      "wikidata_triples (subject, property, object rows, tab-separated for .tsv else commas, "
+                      "ids named by --labels); auto: .xml[.bz2] -> mediawiki, .json/.jsonl[.bz2|.gz] -> "
+                      "wikidata_json, .tsv/.csv[.gz] -> wikidata_triples.")
+    labels: str = opt("", "wikidata_triples: label table with rows id, label[, description] for items (Q42) and "
+                      "properties (P19); common property labels are built in.")
+    images_dir: str = opt("", "wikidata_*: folder of photos named as in the P18 (image) claims; each found one "
+                          "becomes an anchor, its licence read from the folder's Debian-copyright-style README.")
+    language: str = opt("en", "wikidata_json: language of the labels, aliases and descriptions read.")
+
+
+def _resolve(name: str) -> Path:
+    path = Path(name)
+    return path if path.is_absolute() else REPO_ROOT / path
+
+
+def input_format(cfg: BuildKGConfig, path: Path) -> str:
+    """``cfg.format``, or for ``auto`` the one the file name says (compression suffixes ignored)."""
+    if cfg.format != "auto":
+        if cfg.format not in ("mediawiki", *wikidata.FORMATS):
+            raise ConfigError(f"format must be auto, mediawiki, {', '.join(wikidata.FORMATS)}; got {cfg.format!r}")
+        return cfg.format
+    suffixes = [s for s in path.suffixes if s not in (".bz2", ".gz")]
+    kind = {".xml": "mediawiki", ".json": "wikidata_json", ".jsonl": "wikidata_json", ".tsv": "wikidata_triples",
+            ".csv": "wikidata_triples"}.get(suffixes[-1] if suffixes else "")
+    if kind is None:
+        raise ConfigError(f"cannot tell the format of {path.name}; pass --format=mediawiki|wikidata_json|"
+                          "wikidata_triples")
+    return kind
 
 
 def validate(cfg: BuildKGConfig) -> Path:
@@ -89,10 +124,13 @@ def validate(cfg: BuildKGConfig) -> Path:
         raise ConfigError(f"shard_pages and workers must be >= 1, got {cfg.shard_pages}, {cfg.workers}")
     if not cfg.input:
         raise ConfigError("set --input=PATH to a pages-articles export (.xml.bz2); see the README for the full dump")
-    path = Path(cfg.input)
-    path = path if path.is_absolute() else REPO_ROOT / path
+    path = _resolve(cfg.input)
     if not path.is_file():
         raise ConfigError(f"input {cfg.input!r} does not exist ({path}); download the dump first (README)")
+    for name in ("labels", "images_dir"):
+        value = getattr(cfg, name)
+        if value and not _resolve(value).exists():
+            raise ConfigError(f"{name} {value!r} does not exist ({_resolve(value)})")
     return path
 
 
@@ -266,13 +304,43 @@ def resolve(shard_dir: Path) -> tuple[list[dict[str, Any]], list[tuple[int, int,
     return entities, links, totals
 
 
+def _copy_out(kg_dir: Path, out_dir: str) -> None:
+    """Copy the tables (and the anchor photos, when there are any) to ``out_dir``; each file atomically."""
+    if not out_dir:
+        return
+    dest = Path(out_dir)
+    dest.mkdir(parents=True, exist_ok=True)
+    names = ["entities.parquet", "links.parquet", "anchors.parquet"]
+    if (kg_dir / "images").is_dir():
+        (dest / "images").mkdir(exist_ok=True)
+        names += [f"images/{p.name}" for p in sorted((kg_dir / "images").iterdir())]
+    for name in names:
+        tmp = dest / f"{name}.tmp"
+        tmp.write_bytes((kg_dir / name).read_bytes())
+        os.replace(tmp, dest / name)
+
+
 def run(cfg: BuildKGConfig, *, log: Callable[[str], None] = print) -> tuple[Path, dict[str, Any]]:
     """Both passes; returns the KG folder and the counts (also saved as ``counts.json``)."""
     from osvl.cluster import init_ray
 
     path = validate(cfg)
+    fmt = input_format(cfg, path)
     out = run_dir(cfg, JOB)
     shard_dir, kg_dir = out / "shards", out / "kg"
+    if fmt != "mediawiki":
+        t0 = time.perf_counter()
+        log(f"build_kg: {path} ({fmt}) -> {out}")
+        init_ray()
+        report = wikidata.build(path, fmt, kg_dir, labels=_resolve(cfg.labels) if cfg.labels else None,
+                                images_dir=_resolve(cfg.images_dir) if cfg.images_dir else None,
+                                language=cfg.language, workers=cfg.workers, log=log)
+        report["seconds"] = round(time.perf_counter() - t0, 1)
+        (out / "counts.json").write_text(json.dumps(report, indent=1))
+        _copy_out(kg_dir, cfg.out_dir)
+        log(f"build_kg: {report['entities']} entities, {report['links']} links, {report['anchors']} anchors; "
+            f"{report['bad_lines']} bad lines skipped -> {kg_dir}")
+        return kg_dir, report
     check_same_input(path, shard_dir)
     t0 = time.perf_counter()
     log(f"build_kg: {path} -> {out} ({cfg.shard_pages} pages per shard, {cfg.workers} at once)")
@@ -284,13 +352,7 @@ def run(cfg: BuildKGConfig, *, log: Callable[[str], None] = print) -> tuple[Path
     report = {**totals, "parsed_this_run": parsed, **counts, "aliases": sum(len(e["aliases"]) for e in entities),
               "parse_seconds": round(t1 - t0, 1), "resolve_seconds": round(time.perf_counter() - t1, 1)}
     (out / "counts.json").write_text(json.dumps(report, indent=1))
-    if cfg.out_dir:
-        dest = Path(cfg.out_dir)
-        dest.mkdir(parents=True, exist_ok=True)
-        for name in ("entities.parquet", "links.parquet", "anchors.parquet"):
-            tmp = dest / f"{name}.tmp"
-            tmp.write_bytes((kg_dir / name).read_bytes())
-            os.replace(tmp, dest / name)
+    _copy_out(kg_dir, cfg.out_dir)
     log(f"build_kg: {report['entities']} entities, {report['aliases']} aliases, {report['links']} links; "
         f"{report['bad']} bad pages skipped; {parsed} shards parsed this run -> {kg_dir}")
     return kg_dir, report

@@ -1,7 +1,7 @@
 """The knowledge-graph contract: three Parquet tables and ``load_kg`` (the in-memory graph).
 
 A KG folder holds ``entities.parquet``, ``links.parquet``, ``anchors.parquet`` and an
-``images/`` folder. Every loader (Wikispeedia, MediaWiki XML, Wikidata summaries) writes
+``images/`` folder. Every loader (Wikispeedia, MediaWiki XML, Wikidata JSON dumps and triples) writes
 these tables through ``write_kg``, which validates them, and every consumer (walks,
 search, tests) reads them through ``load_kg``. The tables are plain Parquet so that a
 Ray Data job can read or shard them without osvl.

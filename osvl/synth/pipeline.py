@@ -7,7 +7,9 @@ Stages, in order (each drops and counts by reason; the counts end up in the data
    seeds are dealt round-robin into ``num_shards`` shards.
 2. **synthesize** (Ray Data ``map_batches`` over shard numbers, one actor per worker,
    each loading the KG once): per seed, sample ``h``, walk, rewrite, check the three
-   invariants, deduplicate by path and answer, attach (and maybe degrade) an image.
+   invariants, deduplicate by path and answer, attach (and maybe degrade) an image;
+   a seed stops after ``patience`` attempts in a row made nothing new, and a seed that
+   made nothing is counted per split with its most frequent failure.
    Every shard has its own RNG seeded from ``(run.seed, shard)``, so a shard's rows
    do not depend on which worker ran it or when. A shard commits by renaming its
    Parquet file into ``shards/``; a rerun skips committed shards, which is the whole
@@ -95,6 +97,9 @@ class SynthConfig:
     kg_dir: str = opt("", "KG folder (entities/links/anchors Parquet + images/); empty = the committed sample.")
     questions_per_seed: int = opt(100, "Most questions made from one seed entity.")
     attempts_per_seed: int = opt(300, "Most question attempts per seed (each up to walk.max_retries walks).")
+    patience: int = opt(30, "Give up on a seed after this many attempts in a row made no new question (a "
+                        "seed of a tree-shaped KG has only a few distinct walks; retrying them all "
+                        "attempts_per_seed times only finds duplicates).")
     min_grounding_score: float = opt(0.0, "Use only anchors scoring at least this.")
     num_shards: int = opt(16, "Shards (groups of seeds); the unit of parallelism and of resume.")
     workers: int = opt(2, "Ray Data actors synthesizing shards in parallel.", hashed=False)
@@ -129,8 +134,8 @@ def validate(cfg: SynthConfig) -> None:
         raise ConfigError(f"rewriter.kind must be template or llm, got {cfg.rewriter.kind!r}")
     if cfg.rewriter.kind == "llm" and not (cfg.rewriter.base_url and cfg.rewriter.model):
         raise ConfigError("rewriter.kind=llm needs rewriter.base_url and rewriter.model")
-    if cfg.num_shards < 1 or cfg.workers < 1 or cfg.questions_per_seed < 1:
-        raise ConfigError("num_shards, workers and questions_per_seed must be >= 1")
+    if cfg.num_shards < 1 or cfg.workers < 1 or cfg.questions_per_seed < 1 or cfg.patience < 1:
+        raise ConfigError("num_shards, workers, questions_per_seed and patience must be >= 1")
 
 
 def plan(graph: Graph, cfg: SynthConfig) -> tuple[list[list[int]], dict[int, str]]:
@@ -138,7 +143,8 @@ def plan(graph: Graph, cfg: SynthConfig) -> tuple[list[list[int]], dict[int, str
     seeds = graph.seeds(cfg.min_grounding_score)
     fractions = dict(zip(SPLITS, cfg.split_fractions, strict=True))
     entity_fractions = dict(zip(SPLITS, cfg.entity_split_fractions, strict=True))
-    split_of = assign_splits(graph, seeds, fractions, entity_fractions, cfg.run.seed, cfg.walk.hub_in_degree)
+    split_of = assign_splits(graph, seeds, fractions, entity_fractions, cfg.run.seed, cfg.walk.hub_in_degree,
+                             depth=max(cfg.walk.hops))
     shards = [seeds[k::cfg.num_shards] for k in range(cfg.num_shards)]
     return shards, split_of
 
@@ -215,7 +221,7 @@ def synthesize_shard(graph: Graph, cfg: SynthConfig, shard: int, seeds: list[int
     """All questions of one shard, and its counts by stage and reason."""
     rng = np.random.default_rng([cfg.run.seed, shard])
     counts: dict[str, Counter[str]] = {s: Counter() for s in ("walk_skips", "walk", "rewrite", "invariants",
-                                                              "dedupe", "images", "rewriter")}
+                                                              "dedupe", "images", "rewriter", "seeds")}
     wcfg = WalkConfig(cfg.walk.hub_in_degree, cfg.walk.max_answer_words)
     probs = np.array(cfg.walk.hop_probs) / sum(cfg.walk.hop_probs)
     kg_name = str(graph.root.name if graph.root else "memory")
@@ -229,24 +235,36 @@ def synthesize_shard(graph: Graph, cfg: SynthConfig, shard: int, seeds: list[int
         anchors = [a for a in anchors if a.licence.strip()]
         if not anchors:
             counts["images"]["seed_without_image_file"] += 1  # checked once here, not after every walk
+            counts["seeds"][f"{split_of[seed]}/empty/no_image_file"] += 1
             continue
-        made = 0
+        made = misses = 0
+        failed: Counter[str] = Counter()  # this seed's failures, to say why it yielded nothing
         for _ in range(cfg.attempts_per_seed):
             if made >= cfg.questions_per_seed:
+                break
+            if misses >= cfg.patience:
+                counts["walk"]["seed_exhausted"] += 1
                 break
             hops = int(cfg.walk.hops[int(rng.choice(len(probs), p=probs))])
             row = None
             for _ in range(cfg.walk.max_retries):
-                walk = random_walk(graph, seed, hops, rng, split_of, wcfg, counts["walk_skips"])
+                skips: Counter[str] = Counter()
+                walk = random_walk(graph, seed, hops, rng, split_of, wcfg, skips)
+                counts["walk_skips"].update(skips)
                 if walk is None:
                     counts["walk"]["dead_end"] += 1
+                    failed.update(k for k in skips if k.startswith("dead_end"))
                     continue
-                draft = template_rewrite(graph, walk, rng, counts["rewrite"])
+                drops: Counter[str] = Counter()
+                draft = template_rewrite(graph, walk, rng, drops)
                 if draft is None:
+                    counts["rewrite"].update(drops)
+                    failed.update(drops)
                     continue
                 qid = question_id(draft.path, draft.answer_key, draft.answer)
                 if qid in seen:
                     counts["dedupe"]["same_path_and_answer"] += 1
+                    failed["same_path_and_answer"] += 1
                     continue
                 row = {"id": qid, "question": draft.question, "answer": draft.answer,
                        "answer_aliases": draft.answer_aliases, "answer_key": draft.answer_key,
@@ -254,12 +272,15 @@ def synthesize_shard(graph: Graph, cfg: SynthConfig, shard: int, seeds: list[int
                 broken = violations(graph, row)
                 if broken:
                     counts["invariants"][broken[0]] += 1
+                    failed[broken[0]] += 1
                     row = None
                     continue
                 break
             if row is None:
                 counts["walk"]["retries_exhausted"] += 1
+                misses += 1
                 continue
+            misses = 0
             anchor = anchors[int(rng.integers(len(anchors)))]
             try:
                 if rng.random() < cfg.degrade.share:
@@ -271,6 +292,7 @@ def synthesize_shard(graph: Graph, cfg: SynthConfig, shard: int, seeds: list[int
                     row["degraded"], row["degradation"] = False, ""
             except (OSError, ValueError):
                 counts["images"]["bad_image"] += 1  # a missing or corrupt file drops the question, not the run
+                failed["bad_image"] += 1
                 continue
             seen.add(row["id"])
             row.update(images=[name], licence=anchor.licence, split=split_of[seed],
@@ -279,6 +301,11 @@ def synthesize_shard(graph: Graph, cfg: SynthConfig, shard: int, seeds: list[int
                                    "scorer": anchor.scorer, "rewriter": "template", "shard": shard})
             rows.append(row)
             made += 1
+        if made:
+            counts["seeds"][f"{split_of[seed]}/yielded"] += 1
+        else:  # the seed's most frequent failure, e.g. dead_end_hop2 when its neighbourhood is another split's
+            reason = failed.most_common(1)[0][0] if failed else "no_attempt"
+            counts["seeds"][f"{split_of[seed]}/empty/{reason}"] += 1
     if cfg.rewriter.kind == "llm" and rows:
         r = cfg.rewriter
         llm = LLMConfig(r.base_url, r.model, r.api_key_env, r.timeout_s, r.max_concurrency, r.temperature)
@@ -381,7 +408,10 @@ def cap_shares(table: pa.Table, max_answer_share: float, max_seed_share: float, 
     """Drop the surplus of over-represented seeds, then answers, keeping the lowest ids (deterministic).
 
     The cap is the largest one that still holds *after* the drop. When it cannot hold
-    at all (fewer groups than 1 / share), nothing is dropped and the data card shows it.
+    at all (fewer groups than 1 / share), ``<reason>_infeasible`` in the data card says
+    so; then seeds keep their questions (few seeds is what a small KG has), but each
+    answer is capped at one question anyway and the surplus dropped (a tree-shaped KG's
+    walks converge on a few final entities, and one answer took 31% of a Wikidata run).
     """
     table = table.sort_by("id")
     groups = {"seed_share_cap": [p[0]["entity_id"] for p in table.column("path").to_pylist()],
@@ -394,7 +424,9 @@ def cap_shares(table: pa.Table, max_answer_share: float, max_seed_share: float, 
             cap = _largest_cap(list(Counter(labels[i] for i in keep).values()), share)
             if cap is None:
                 drops[f"{reason}_infeasible"] = 1
-                continue
+                if reason == "seed_share_cap":
+                    continue  # few seeds is what a small KG has: keep their questions
+                cap = 1
             seen: Counter[Any] = Counter()
             kept = []
             for i in keep:
@@ -439,6 +471,7 @@ def data_card(cfg: SynthConfig, table: pa.Table, counts: dict[str, Counter[str]]
         "path_entities": len({e["entity_id"] for p in paths for e in p}),
         "max_seed_share": round(top_seed[0][1] / n, 4) if top_seed else 0.0,
         "max_answer_share": round(top_answer[0][1] / n, 4) if top_answer else 0.0,
+        "max_answer_share_configured": cfg.max_answer_share,
         "top_answers": dict(Counter(answers).most_common(10)),
         "hops": {str(h): {"count": hop_hist[h], "share": round(hop_hist[h] / n, 4), "configured": p}
                  for h, p in zip(cfg.walk.hops, cfg.walk.hop_probs, strict=True)},
@@ -447,13 +480,15 @@ def data_card(cfg: SynthConfig, table: pa.Table, counts: dict[str, Counter[str]]
                      "kinds": _histogram(kinds)},
         "descriptor_kinds": _histogram([e["descriptor_kind"] for p in paths for e in p[1:]]),
         "rewriter": _histogram([p["rewriter"] for p in table.column("provenance").to_pylist()]),
-        "drops": {stage: dict(sorted(c.items())) for stage, c in sorted(counts.items()) if c},
+        "drops": {stage: dict(sorted(c.items())) for stage, c in sorted(counts.items()) if c and stage != "seeds"},
         "grounding_scores": {"anchors_used": len(scores), "min": round(float(score_values.min()), 4),
                              "median": round(float(np.median(score_values)), 4),
                              "max": round(float(score_values.max()), 4),
-                             "histogram": {f"{lo:.1f}-{lo + 0.1:.1f}": int(((score_values >= lo) &
-                                                                            (score_values < lo + 0.1)).sum())
-                                           for lo in np.arange(0.0, 1.0, 0.1)}},
+                             "histogram": {f"{k / 10:.1f}-{(k + 1) / 10:.1f}": int(n) for k, n in
+                                           enumerate(np.histogram(score_values, bins=10, range=(0.0, 1.0))[0])}},
+        "seeds_by_split": {split: {"yielded": counts.get("seeds", Counter())[f"{split}/yielded"],
+                                   "empty": {k.split("/", 2)[2]: v for k, v in sorted(counts.get("seeds", {}).items())
+                                             if k.startswith(f"{split}/empty/")}} for split in SPLITS},
     }
 
 
@@ -465,6 +500,12 @@ def card_markdown(card: dict[str, Any]) -> str:
              f"largest answer share {card['max_answer_share']:.1%}. Built in {card['seconds']} s.", "",
              "## Hops", "", "| hops | questions | share | configured |", "|---|---|---|---|"]
     lines += [f"| {h} | {v['count']} | {v['share']:.1%} | {v['configured']:.0%} |" for h, v in card["hops"].items()]
+    lines += ["", "## Seeds by split", "", "| split | yielded | empty (why) |", "|---|---|---|"]
+    lines += [f"| {s} | {v['yielded']} | {sum(v['empty'].values())} {v['empty'] or ''} |"
+              for s, v in card["seeds_by_split"].items()]
+    if card["drops"].get("caps", {}).get("answer_share_cap_infeasible"):
+        lines += ["", "Answer-share cap infeasible (fewer distinct answers than 1 / "
+                  f"{card['max_answer_share_configured']}): every answer capped at one question, the surplus dropped."]
     lines += ["", "## Answer keys (top 25)", "", "| key | questions |", "|---|---|"]
     lines += [f"| {k} | {v} |" for k, v in list(card["answer_keys"].items())[:25]]
     d = card["degraded"]

@@ -3,9 +3,11 @@
 Back to front, one entity at a time, each entity after the start is replaced by a
 *descriptor* drawn from the KG: its short description ("the 1968 film by Stanley
 Kubrick"), a category ("the one listed under Artists"), a distinctive attribute
-("the one whose Capital is Nairobi"), or only its relation to its neighbour ("the
-architect of ..."). A descriptor is kept only if, among everything its
-predecessor links to, exactly one entity satisfies it, and if it names no path
+("the one whose capital is Nairobi"), or only its relation to its neighbour ("the
+architect of ...", "the place where ... was born"; ``osvl.synth.phrasing`` words any
+relation name, and descriptors with ids, codes or underscores are never offered).
+A descriptor is kept only if, among everything its predecessor links to, exactly one
+entity satisfies it, and if it names no path
 entity and not the answer; otherwise the next option is tried. The start entity
 becomes a visual reference chosen by its category ("the animal shown").
 
@@ -29,6 +31,17 @@ import numpy as np
 
 from osvl.errors import ConfigError
 from osvl.synth.invariants import descriptor_holds, fold, guarded_forms, leaked, step_candidates
+from osvl.synth.phrasing import (
+    attribute_phrase,
+    clean,
+    label,
+    lower_first,
+    question,
+    readable,
+    relation_clause,
+    relation_forms,
+    relation_phrase,
+)
 from osvl.synth.walks import Graph, Walk
 
 # (category/description keyword, visual reference); first match wins, checked on folded text
@@ -39,7 +52,7 @@ VISUAL_NOUNS = [
     (("painting", "sculpture", "artwork", "visual arts", "art "), "the artwork in the image"),
     (("building", "architecture", "tower", "bridge", "church", "cathedral", "temple", "palace", "castle",
       "monument", "mosque", "wall", "stadium"), "the building in the image"),
-    (("people", "person", "artist", "musician", "writer"), "the person in the image"),
+    (("people", "person", "artist", "musician", "writer", " human "), "the person in the image"),
     (("geography", "city", "cities", "country", "countries", "mountain", "river", "lake", "island",
       "region", "places"), "the place shown in the image"),
 ]
@@ -62,49 +75,41 @@ class Descriptor:
     value: str
 
 
-def _lower_first(text: str) -> str:
-    # "Painting by Seurat" -> "painting by Seurat", but keep "UNESCO site" and "Italian city"
-    if len(text) > 1 and text[0].isupper() and text[1].islower() and text.split()[0].lower() not in _PROPER:
-        return text[0].lower() + text[1:]
-    return text
-
-
-# Leading words that stay capitalised (nationalities and languages are the common case in short descriptions).
-_PROPER = {"american", "british", "english", "french", "german", "italian", "spanish", "chinese", "japanese",
-           "indian", "russian", "greek", "roman", "dutch", "australian", "canadian", "scottish", "irish",
-           "african", "european", "asian", "egyptian", "mexican", "brazilian", "swedish", "norwegian"}
-
-
 def descriptor_phrase(d: Descriptor) -> str:
     if d.kind == "description":
-        return "the " + _lower_first(d.value)
+        return "the " + lower_first(d.value)
     if d.kind == "category":
-        leaf = d.value.split(".")[-1].replace("_", " ")
-        return f"the one listed under {leaf}"
+        leaf = label(category_leaf(d.value))
+        # a lowercase leaf is a class name (Wikidata "city"): "the city"; a catalogue heading is not
+        return f"the {leaf}" if leaf.islower() else f"the one listed under {leaf}"
     if d.kind == "attribute":
-        return f"the one whose {d.key} is {d.value}"
-    return f"the {d.key}"
+        return attribute_phrase(d.key, d.value)
+    return relation_phrase(d.key, "")
 
 
-def hop_phrase(d: Descriptor, relation: str, inner: str) -> str:
-    """How entity i is described relative to entity i-1 (already phrased as ``inner``)."""
+def category_leaf(category: str) -> str:
+    """``subject.People.Historical_figures`` -> ``Historical_figures`` (Wikispeedia paths end in the leaf)."""
+    return category.split(".")[-1]
+
+
+def hop_phrase(d: Descriptor, relation: str, inner: str, nested: bool = False) -> str:
+    """How entity i is described relative to entity i-1 (already phrased as ``inner``; ``nested`` past hop 1)."""
     if d.kind == "relation":
-        return f"the {relation} of {inner}"
-    if relation == "linked_to":
-        return f"{descriptor_phrase(d)} mentioned in the article on {inner}"
-    return f"{descriptor_phrase(d)} that is the {relation} of {inner}"
+        return relation_phrase(relation, inner, nested)
+    return relation_clause(descriptor_phrase(d), relation, inner, nested)
 
 
 def descriptor_options(graph: Graph, eid: int, relation: str) -> list[Descriptor]:
+    """Descriptors that could name ``eid``; only those that read as words (no ids, codes or underscores)."""
     ent = graph.entities[eid]
     out = []
     if ent.description.strip():
         out.append(Descriptor("description", "", ent.description.strip()))
-    out.extend(Descriptor("category", "", c) for c in ent.categories)
+    out.extend(Descriptor("category", "", c) for c in ent.categories if readable(category_leaf(c)))
     out.extend(Descriptor("attribute", k, v) for k, v in ent.answers)
     if relation != "linked_to":
         out.append(Descriptor("relation", relation, ""))
-    return out
+    return [d for d in out if not clean(descriptor_phrase(d))]
 
 
 def unique_referent(graph: Graph, prev: int, relation: str, eid: int, d: Descriptor) -> bool:
@@ -147,15 +152,18 @@ def template_rewrite(graph: Graph, walk: Walk, rng: np.random.Generator, drops: 
     chosen.reverse()  # chosen[i - 1] now describes ids[i]
     phrase = visual_reference(graph, ids[0])
     for i in range(1, len(ids)):
-        phrase = hop_phrase(chosen[i - 1], walk.relations[i - 1], phrase)
-    question = f"What is the {walk.answer_key.lower()} of {phrase}?"
+        phrase = hop_phrase(chosen[i - 1], walk.relations[i - 1], phrase, nested=i > 1)
+    text = question(walk.answer_key, phrase, nested=True)
+    if why := clean(text):  # e.g. a description ending in the word the relation starts with
+        drops[f"unreadable_{why}"] += 1
+        return None
     path = [{"entity_id": ids[0], "title": graph.entities[ids[0]].title, "relation": "",
              "descriptor_kind": "visual", "descriptor_key": "", "descriptor_value": visual_reference(graph, ids[0])}]
     for i in range(1, len(ids)):
         d = chosen[i - 1]
         path.append({"entity_id": ids[i], "title": graph.entities[ids[i]].title, "relation": walk.relations[i - 1],
                      "descriptor_kind": d.kind, "descriptor_key": d.key, "descriptor_value": d.value})
-    return Draft(question, path, walk.answer_key, walk.answer, aliases)
+    return Draft(text, path, walk.answer_key, walk.answer, aliases)
 
 
 @dataclass
@@ -179,10 +187,13 @@ def _kept_descriptors(text: str, draft: Draft) -> bool:
     if f" {fold(draft.answer_key)} " not in padded:
         return False
     for step in draft.path[1:]:
-        value = step["descriptor_value"] or step["relation"]
-        if step["descriptor_kind"] == "category":
-            value = value.split(".")[-1]
-        if value and f" {fold(value)} " not in padded:
+        if step["descriptor_kind"] == "relation":  # the template's fixed words: "the place where", "was born"
+            forms = [relation_forms(step["relation"], nested)[0].split("{x}") for nested in (False, True)]
+        elif step["descriptor_kind"] == "category":
+            forms = [[label(category_leaf(step["descriptor_value"]))]]
+        else:
+            forms = [[step["descriptor_value"]]]
+        if not any(all(not fold(v) or f" {fold(v)} " in padded for v in values) for values in forms):
             return False
     return True
 

@@ -17,7 +17,7 @@ constraints and why:
 - no entity twice (no cycles): a question that returns to its start is trivial;
 - every entity of the walk belongs to the seed's split (``assign_splits``), which
   is how "no path entity in two splits" holds by construction while shards run
-  independently;
+  independently (a seed's sparse neighbourhood, up to the walk depth, joins its split);
 - the last hop only goes to entities with an eligible answer attribute, and the
   attribute is drawn with weight 1 / (how many entities share that value), so
   that frequent values ("Animalia", "English") do not swamp the answers.
@@ -196,23 +196,36 @@ def _unit(*parts: Any) -> float:
 
 def assign_splits(graph: Graph, seeds: list[int], fractions: dict[str, float],
                   entity_fractions: dict[str, float], run_seed: int, hub_in_degree: int = 300,
-                  poor: int = 3) -> dict[int, str]:
-    """Give every entity one split: seeds in the exact proportions, the rest by a hash of their id.
+                  poor: int = 3, depth: int = 1) -> dict[int, str]:
+    """Give every entity one split: seeds in the exact proportions, their neighbourhoods with them, the rest by hash.
 
-    Seeds are few (tens), so they are dealt out to hit the question shares; then each
-    seed claims its walkable out-neighbours for its split, and every other entity is
-    hashed with ``entity_fractions`` (which may favour the small splits, whose walks
-    otherwise run in a thin subgraph). "Connected groups of questions" would be exact
-    but on a link graph nearly every seed joins one giant group; only *poor* seeds
-    (at most ``poor`` walkable neighbours, e.g. six paintings that all link only to
-    their painter) are grouped, since splitting them would leave all but one with no
-    first hop at all.
+    Seeds are few (tens), so they are dealt out to hit the question shares. Then each
+    seed claims its out-neighbours for its split, and, up to ``depth`` hops (the longest
+    walk), every *poor* entity (at most ``poor`` walkable out-neighbours) claimed so far
+    claims its walkable out-neighbours too, level by level, poorest seeds first. Every
+    other entity is hashed with ``entity_fractions``.
+
+    Why poor entities only: a walk through an entity with many exits finds some of
+    them in its split by hashing alone (the embedded sample's entities have dozens), but
+    on a tree-shaped graph (Wikidata: a person's one place of birth, a city's one
+    region) the only exit of a hop lands in the seed's split with probability 1/3 per
+    hop, and 4-hop walks all but never survive. "Connected groups of questions" would
+    be exact, but nearly every seed of a link graph joins one giant group; so only poor
+    seeds are grouped: those sharing a walkable neighbour (six paintings that all link
+    only to their painter), then those whose poor neighbourhoods meet deeper (two
+    cities of one region), always while the group stays within the smallest split's
+    share of seeds, so that the split fractions still hold.
     """
+    walkable_of: dict[int, list[int]] = {}
+
     def walkable(e: int) -> list[int]:
-        return [d for d in graph.neighbours(e)
-                if graph.entities[d].in_degree <= hub_in_degree and not graph.entities[d].list_page]
+        if e not in walkable_of:
+            walkable_of[e] = [d for d in graph.neighbours(e)
+                              if graph.entities[d].in_degree <= hub_in_degree and not graph.entities[d].list_page]
+        return walkable_of[e]
 
     parent = {e: e for e in seeds}
+    size = dict.fromkeys(seeds, 1)
 
     def root(e: int) -> int:
         while parent[e] != e:
@@ -220,14 +233,34 @@ def assign_splits(graph: Graph, seeds: list[int], fractions: dict[str, float],
             e = parent[e]
         return e
 
-    first_poor: dict[int, int] = {}
-    for e in seeds:
-        if len(walkable(e)) <= poor:
-            for d in walkable(e):
-                if d in first_poor:
-                    parent[root(e)] = root(first_poor[d])
-                else:
-                    first_poor[d] = e
+    def union(a: int, b: int, bound: int) -> None:
+        ra, rb = root(a), root(b)
+        if ra != rb and size[ra] + size[rb] <= bound:
+            parent[ra] = rb
+            size[rb] += size[ra]
+
+    positive = [f for f in fractions.values() if f > 0]
+    bound = max(2, round(min(positive, default=1.0) * len(seeds)))  # the smallest split's share of seeds
+    poor_seeds = [e for e in seeds if len(walkable(e)) <= poor]
+    reach = {e: set(walkable(e)) for e in poor_seeds}
+    for level in range(1, max(1, depth) + 1):
+        sharers: dict[int, list[int]] = defaultdict(list)
+        for e in poor_seeds:
+            for d in reach[e]:
+                sharers[d].append(e)
+        if level == 1:  # seeds whose one first hop this is go together, however many (a painter's paintings)
+            for d, group in sorted(sharers.items()):
+                alone = [e for e in group if walkable(e) == [d]]
+                for e in alone[1:]:
+                    union(e, alone[0], len(seeds))
+        # then the most specific shared entities first (a city before "human", which every person is an
+        # instance of and which can never bring all of its seeds into one split)
+        for _, group in sorted(sharers.items(), key=lambda kv: (len(kv[1]), kv[0])):
+            if 2 <= len(group) <= bound:
+                for e in group[1:]:
+                    union(e, group[0], bound)
+        if level < depth:  # the next ring, entered only through poor entities
+            reach = {e: {x for d in r if len(walkable(d)) <= poor for x in walkable(d)} for e, r in reach.items()}
     groups: dict[int, list[int]] = {}
     for e in seeds:
         groups.setdefault(root(e), []).append(e)
@@ -242,10 +275,18 @@ def assign_splits(graph: Graph, seeds: list[int], fractions: dict[str, float],
         for e in group:
             split_of[e] = name
         dealt[name] += len(group)
-    # the poorest seeds claim their neighbours first: a rich seed loses little to another split
-    for e in sorted(seeds, key=lambda e: (len(walkable(e)), _unit(run_seed, "seed", e))):
-        for dst in graph.neighbours(e):
-            split_of.setdefault(dst, split_of[e])
+    # the poorest seeds claim first: a rich seed loses little to another split
+    frontier = sorted(seeds, key=lambda e: (len(walkable(e)), _unit(run_seed, "seed", e)))
+    for level in range(1, max(1, depth) + 1):
+        claimed = []
+        for e in frontier:
+            if level > 1 and len(walkable(e)) > poor:
+                continue
+            for dst in graph.neighbours(e) if level == 1 else walkable(e):
+                if dst not in split_of:
+                    split_of[dst] = split_of[e]
+                    claimed.append(dst)
+        frontier = claimed
     for eid in graph.entities:
         if eid in split_of:
             continue
