@@ -435,7 +435,7 @@ profiles: demo, production (default: demo)
 
 [run] Run root and seed.
   --run.root="{root}"  (str)
-      Run root: outputs go to <root>/<job>/<config hash>/ (env OSVL_RUN_ROOT sets the default).
+      Run root: <root>/<job>/<config hash>/; a folder or an s3://, gs://, file:// URI (env OSVL_RUN_ROOT: default).
   --run.seed=0  (int)
       Global random seed (Python, NumPy, torch, and per-shard seeds derive from it).
   --run.name=""  (str)
