@@ -129,12 +129,13 @@ def exists(uri: str) -> bool:
 
 def mirror_dir(uri: str) -> Path:
     """The node-local cache folder that mirrors the remote folder ``uri`` (a cache: deleting it loses
-    nothing published)."""
+    nothing published), under ``$OSVL_STORAGE_CACHE`` (default ``$OSVL_CACHE/storage``)."""
     from osvl.models.tiny import cache_root
 
     parent, _, name = uri.rstrip("/").rpartition("/")
     # keyed by the parent's URI, named like the remote folder (code may read a run folder's name)
-    return cache_root() / "storage" / hashlib.sha256(parent.encode()).hexdigest()[:16] / name
+    base = Path(os.environ.get("OSVL_STORAGE_CACHE") or cache_root() / "storage")
+    return base / hashlib.sha256(parent.encode()).hexdigest()[:16] / name
 
 
 def _synced(local: Path) -> dict[str, list[int]]:
@@ -212,9 +213,13 @@ def refresh(folder: Path) -> None:
 
 
 def location(folder: Path | str) -> str:
-    """Where ``folder``'s contents live: the remote URI of a mirror, else the folder itself."""
-    marker = Path(folder) / MARKER
-    return marker.read_text().strip() if marker.is_file() else str(folder)
+    """Where ``folder``'s contents live: its URI when it is (inside) a mirror, else the folder itself."""
+    p = Path(folder)
+    for top in (p, *p.parents):
+        if (top / MARKER).is_file():
+            uri = (top / MARKER).read_text().strip()
+            return join(uri, p.relative_to(top).as_posix()) if top != p else uri
+    return str(folder)
 
 
 def publish(folder: Path | str, *subpaths: str) -> None:
@@ -238,11 +243,14 @@ def publish(folder: Path | str, *subpaths: str) -> None:
         files = [src] if src.is_file() else sorted(p for p in src.rglob("*") if p.is_file())
         for f in files:
             rel = f.relative_to(folder).as_posix()
-            if f.name in (MARKER, SYNCED) or f.name.endswith(".tmp") or synced.get(rel) == _stat(f):
+            # files being written (``*.tmp``, or inside a ``*.tmp`` folder) are never uploaded
+            if f.name in (MARKER, SYNCED) or any(p.endswith(".tmp") for p in rel.split("/")) \
+                    or synced.get(rel) == _stat(f):
                 continue
             pafs.copy_files(str(f), f"{path}/{rel}", source_filesystem=pafs.LocalFileSystem(),
                             destination_filesystem=fs)
-            synced[rel] = _stat(f)
+            info = fs.get_file_info(f"{path}/{rel}")  # so that a later pull knows this copy is current
+            synced[rel], synced["@" + rel] = _stat(f), [info.size, int(info.mtime_ns or 0)]
     _save_synced(folder, synced)
 
 

@@ -75,3 +75,74 @@ def s3_store():
         yield {"endpoint": endpoint, "bucket": "osvl-test", "env": env}
     proc.terminate()
     proc.wait(timeout=15)
+
+
+# The multi-node cluster's worker nodes: logical GPUs and role resources (osvl.cluster.ROLE_RESOURCES),
+# so that placement is exercised without CUDA. Both can host rollouts; "b" is the one a test may kill
+# (node "a" keeps a spare rollout unit for the actor that replaces b's).
+WORKER_NODES = {"a": {"cpus": 3, "gpus": 1, "roles": {"rollout": 2, "learner": 1, "data": 2, "tools": 1}},
+                "b": {"cpus": 2, "gpus": 1, "roles": {"rollout": 1, "data": 2}}}
+
+
+@pytest.fixture(scope="session")
+def multinode_cluster(s3_store):
+    """A real multi-node Ray cluster on loopback plus the S3-compatible store (``s3_store``).
+
+    A head with ``num_cpus=0`` like production (it runs job drivers and the dashboard), and the
+    worker nodes of ``WORKER_NODES`` joined with ``ray start --address``: separate processes, each
+    with its own temp dir (so one can be stopped alone, never with a machine-wide ``ray stop``) and
+    its own ``OSVL_STORAGE_CACHE`` (so nothing passes between nodes except through the bucket).
+    Yields ``{"address", "env", "temp_dirs", "caches"}``; ``env`` is what a ``ray job submit``
+    against it needs.
+    """
+    import json
+    import shutil
+    import subprocess
+    import sys
+    import tempfile
+    import time
+
+    from osvl.cluster import LOOPBACK, ROLE_RESOURCES, free_port, loopback_env, stop_node, worker_env
+
+    # short: Ray's unix sockets live under the temp dir, and a socket path is at most 107 bytes
+    base = Path(tempfile.mkdtemp(prefix="osvl-mn-"))
+    bin_dir = Path(sys.executable).parent
+    dash, gcs = free_port(), free_port()
+    address = f"http://{LOOPBACK}:{dash}"
+    env = {**os.environ, **loopback_env(), **s3_store["env"], **worker_env(address), "RAY_AUTH_MODE": "token",
+           "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}",
+           # worker nodes refuse to join without it; every socket still binds to --node-ip-address
+           "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "1"}
+    env.pop("RAY_ADDRESS", None)
+    ports = ["--dashboard-agent-listen-port", "--dashboard-agent-grpc-port", "--runtime-env-agent-port",
+             "--metrics-export-port", "--node-manager-port", "--object-manager-port"]
+    temp_dirs = {name: base / f"node-{name}" for name in ["head", *WORKER_NODES]}
+    caches = {name: base / f"{name}-cache" for name in temp_dirs}
+
+    def start(name: str, args: list[str]) -> None:
+        cmd = [str(bin_dir / "ray"), "start", f"--node-ip-address={LOOPBACK}", f"--temp-dir={temp_dirs[name]}",
+               "--disable-usage-stats", *(f"{p}={free_port()}" for p in ports), *args]
+        subprocess.run(cmd, env={**env, "OSVL_STORAGE_CACHE": str(caches[name])}, check=True,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=180)
+
+    try:
+        start("head", ["--head", "--num-cpus=0", "--num-gpus=0", f"--port={gcs}", f"--dashboard-host={LOOPBACK}",
+                       f"--dashboard-port={dash}", f"--ray-client-server-port={free_port()}"])
+        for name, node in WORKER_NODES.items():
+            roles = {ROLE_RESOURCES[role]: units for role, units in node["roles"].items()}
+            start(name, [f"--address={LOOPBACK}:{gcs}", f"--num-cpus={node['cpus']}", f"--num-gpus={node['gpus']}",
+                         f"--resources={json.dumps(roles)}"])
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("RAY_AUTH_MODE", "token")
+            from ray.util.state import list_nodes
+
+            deadline = time.time() + 120
+            while len([n for n in list_nodes(address=address) if n.state == "ALIVE"]) < 1 + len(WORKER_NODES):
+                if time.time() > deadline:
+                    raise RuntimeError("the worker nodes did not join")
+                time.sleep(1)
+            yield {"address": address, "env": env, "temp_dirs": temp_dirs, "caches": caches}
+    finally:
+        for name in reversed(list(temp_dirs)):
+            stop_node(str(temp_dirs[name]))
+        shutil.rmtree(base, ignore_errors=True)

@@ -21,7 +21,6 @@ import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -387,9 +386,10 @@ def train_loop(config: dict[str, Any]) -> None:
     """The Ray Train worker function: take a step's groups, update, publish, checkpoint; repeat.
 
     ``config`` (from the launcher, ``osvl/rl/trainer.py``): ``rl`` (RLConfig), ``model_dir``,
-    ``image_dir``, ``buffer`` and ``store`` (actor handles), ``steps`` (total), ``resume``
-    (checkpoint folder or ""), ``ckpt_root``, ``ckpt_every``, ``zero_stage``, ``threads``,
-    ``log_path`` (per-step JSONL), ``weights_every``, ``temperature`` (the rollouts' sampling temperature).
+    ``image_dir`` and ``run`` (the run folder: checkpoints, per-step JSONL), all three as storage
+    locations (``osvl.storage``), ``buffer`` and ``store`` (actor handles), ``steps`` (total),
+    ``ckpt_every``, ``zero_stage``, ``threads``, ``weights_every``, ``temperature`` (the rollouts'
+    sampling temperature).
     Every rank trains on its share of the step's groups (whole groups: the advantages
     are per group; ``rank_share``) over the step's global divisor, so any number of groups
     on any number of ranks gives the one-worker gradient (``Learner.step``).
@@ -399,6 +399,7 @@ def train_loop(config: dict[str, Any]) -> None:
     import ray
     import torch.distributed as dist
 
+    from osvl import storage
     from osvl.models.load import load_model, load_processor
     from osvl.rl import checkpoint as ckpt
     from osvl.rl.weights import publish
@@ -409,11 +410,16 @@ def train_loop(config: dict[str, Any]) -> None:
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     torch.manual_seed(config["seed"] + rank)
-    model = load_model(config["model_dir"], dtype="float32")
-    processor = load_processor(config["model_dir"])
+    model_dir = storage.attach(config["model_dir"])  # a location: this node may hold no copy yet
+    image_dir = storage.attach(config["image_dir"])
+    # the run folder as this node sees it (the driver's mirror, or a fresh one on another node)
+    run_folder = storage.attach(config["run"])
+    ckpt_root, log_path = run_folder / "checkpoints", run_folder / "steps.jsonl"
+    model = load_model(model_dir, dtype="float32")
+    processor = load_processor(model_dir)
     ref = None
     if cfg.beta > 0:
-        ref = load_model(config["model_dir"], dtype="float32").eval()
+        ref = load_model(model_dir, dtype="float32").eval()
         for p in ref.parameters():
             p.requires_grad_(False)
     opt_ = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr,
@@ -423,7 +429,7 @@ def train_loop(config: dict[str, Any]) -> None:
                                    grad_clip=cfg.grad_clip))
     learner = Learner(engine.module, cfg, engine=engine, ref_model=ref, temperature=config["temperature"])
     buffer, store = config["buffer"], config["store"]
-    resume = ckpt.latest(Path(config["ckpt_root"]))
+    resume = ckpt.latest(ckpt_root)
     if rank == 0 and ray.get(buffer.begin_learner.remote()) > 0:
         # a restarted worker group (FailureConfig): the buffer moved on since the checkpoint (or the
         # start), so it goes back there too; answers then in flight are refused as duplicates
@@ -435,7 +441,8 @@ def train_loop(config: dict[str, Any]) -> None:
         learner.step_count, learner.skipped = client["step"], client["skipped"]
         ckpt.restore_rng(client["rng"][rank] if rank < len(client["rng"]) else client["rng"][0])
         if rank == 0:
-            ckpt.write_probe(engine, Path(config["ckpt_root"]) / "resume_probe.json", client["version"])
+            ckpt.write_probe(engine, ckpt_root / "resume_probe.json", client["version"])
+            storage.publish(run_folder, "checkpoints/resume_probe.json")
 
     def push(version: int) -> float:
         state = hf_state_dict(engine)  # a collective under ZeRO-3: every rank calls it
@@ -445,7 +452,7 @@ def train_loop(config: dict[str, Any]) -> None:
         return secs
 
     sync_s = push(learner.step_count)
-    log = open(config["log_path"], "a") if rank == 0 else None  # noqa: SIM115 - closed below
+    log = open(log_path, "a") if rank == 0 else None  # noqa: SIM115 - closed below
     try:
         while learner.step_count + learner.skipped < config["steps"]:
             step = learner.step_count + learner.skipped
@@ -454,7 +461,9 @@ def train_loop(config: dict[str, Any]) -> None:
             wait_s = time.perf_counter() - t_wait
             share = rank_share(groups, rank, world, cfg)
             if share is not None:
-                batch = rl_batch(share[0], config["image_dir"], processor, cfg)
+                if any(not (image_dir / f"{sha}.png").is_file() for g in share[0] for t in g for sha in t.images):
+                    storage.refresh(image_dir)  # written by rollout actors on other nodes
+                batch = rl_batch(share[0], str(image_dir), processor, cfg)
                 res = learner.step(batch, live=share[1])
             else:  # every group of the step dropped: nothing to learn from, the step still counts
                 learner.skipped += 1
@@ -464,12 +473,15 @@ def train_loop(config: dict[str, Any]) -> None:
             if (step + 1) % config["ckpt_every"] == 0 or step + 1 == config["steps"]:
                 if world > 1:
                     dist.barrier()
-                ckpt.save(engine, Path(config["ckpt_root"]), step + 1, learner, buffer, processor, rank, world,
+                ckpt.save(engine, ckpt_root, step + 1, learner, buffer, processor, rank, world,
                           keep=config["keep"])
+                if rank == 0:  # a run folder that mirrors remote storage: the checkpoint and the step log go there
+                    storage.publish(run_folder, "checkpoints")
             if rank == 0:
                 row = step_row(step, groups, res, wait_s, sync_s, ray.get(buffer.stats.remote()))
                 log.write(json.dumps(row) + "\n")
                 log.flush()
+                storage.publish(run_folder, "steps.jsonl")
                 record_metrics(row)
     finally:
         if log is not None:

@@ -43,6 +43,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from osvl import storage
 from osvl.config import RunConfig, config_hash, from_dict, opt, run_dir, to_dict
 from osvl.errors import ConfigError
 from osvl.synth.degrade import UNDO_TOOL, degrade
@@ -305,7 +306,7 @@ class ShardWorker:
         self.cfg = from_dict(SynthConfig, cfg)
         self.graph = Graph.load(self.cfg.kg_dir or None, max_answer_words=self.cfg.walk.max_answer_words)
         self.shards, self.split_of = plan(self.graph, self.cfg)
-        self.out = Path(out_dir)
+        self.out = storage.attach(out_dir)  # the run folder's location: this node may hold no copy yet
         self.images = ImageStore(self.graph, self.out / "images")
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -317,6 +318,8 @@ class ShardWorker:
             if shard == 0:  # the graph is the same for every shard: count its bad rows once
                 counts["graph_bad_rows"] = Counter(self.graph.bad)
             commit_shard(self.out / "shards", shard, rows, counts)
+            # the shard's parquet is its "done" marker: published last
+            storage.publish(self.out, "images", f"shards/shard-{shard:05d}.json", f"shards/shard-{shard:05d}.parquet")
             done.append(shard)
             sizes.append(len(rows))
             secs.append(time.perf_counter() - t0)
@@ -526,7 +529,7 @@ def run(cfg: SynthConfig, *, log: Any = print) -> tuple[Path, dict[str, Any]]:
     if todo:
         init_ray()
         ds = ray.data.from_items([{"shard": k} for k in todo], override_num_blocks=len(todo))
-        ds = ds.map_batches(ShardWorker, fn_constructor_kwargs={"cfg": to_dict(cfg), "out_dir": str(out)},
+        ds = ds.map_batches(ShardWorker, fn_constructor_kwargs={"cfg": to_dict(cfg), "out_dir": storage.location(out)},
                             batch_size=1, num_cpus=1,
                             compute=ray.data.ActorPoolStrategy(size=min(cfg.workers, len(todo))))
         finished = cfg.num_shards - len(todo)
@@ -534,6 +537,8 @@ def run(cfg: SynthConfig, *, log: Any = print) -> tuple[Path, dict[str, Any]]:
             finished += 1
             log(f"  shard {int(row['shard']):5d} done: {int(row['questions'])} questions in "
                 f"{float(row['seconds']):.1f} s ({finished}/{cfg.num_shards})")
+        storage.refresh(out)  # shards the workers on other nodes published
     card = finalize(cfg, out, cfg.num_shards, time.perf_counter() - t0, n_seeds)
+    storage.publish(out)
     log(f"synthesize: {card['questions']} questions {card['splits']} in {card['seconds']} s -> {out}")
     return out, card
