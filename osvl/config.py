@@ -34,6 +34,20 @@ from osvl.errors import ConfigError
 REPO_ROOT = Path(__file__).resolve().parents[1]
 CONFIG_DIR = REPO_ROOT / "configs"
 DEFAULT_RUN_ROOT = os.environ.get("OSVL_RUN_ROOT", str(REPO_ROOT / "runs"))
+SHARED_DATA = "$OSVL_SHARED_DATA"  # how configs name the shared data folder (read-only inputs)
+
+
+def input_path(value: str) -> Path:
+    """An input path from a config: ``$OSVL_SHARED_DATA`` replaced by that environment variable (default:
+    ``shared/data`` beside the checkout), then a relative path taken from the repo root.
+
+    Why not a plain relative path: under ``ray job submit --working-dir .`` the job runs in Ray's
+    unpacked copy of the checkout, beside which nothing else exists; the cluster's data folder
+    reaches the job through the environment (``--runtime-env-json '{"env_vars": {...}}'``).
+    """
+    shared = os.environ.get("OSVL_SHARED_DATA") or str(REPO_ROOT.parent / "shared" / "data")
+    path = Path(value.replace("${OSVL_SHARED_DATA}", SHARED_DATA).replace(SHARED_DATA, shared))
+    return path if path.is_absolute() else (REPO_ROOT / path).resolve()
 
 T = TypeVar("T")
 

@@ -22,8 +22,6 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.slow
-
 REPO = Path(__file__).resolve().parents[1]
 STEPS = 4
 JOBS = ("synthesize", "trajectories", "sft", "grpo")
@@ -78,6 +76,29 @@ def _run_folders(top: Path) -> list[Path]:
     return found
 
 
+def test_readme_shows_the_command_this_test_submits():
+    import re
+
+    text = (REPO / "README.md").read_text().split("## Running on a cluster\n")[1].split("\n## ")[0]
+    flat = re.sub(r" \\\n\s*", " ", text)
+    assert "--working-dir . -- python jobs/grpo.py " + " ".join(grpo_args("s3://BUCKET/runs")) in flat
+
+
+def _listening_ips(temp_dirs: list[Path]) -> set[str]:
+    """Addresses the processes of these Ray nodes listen on."""
+    import psutil
+
+    pids = set()
+    for proc in psutil.process_iter(["cmdline"]):
+        try:
+            if any(str(t) in " ".join(proc.info["cmdline"] or []) for t in temp_dirs):
+                pids |= {proc.pid} | {c.pid for c in proc.children(recursive=True)}
+        except psutil.Error:
+            continue
+    return {c.laddr.ip for c in psutil.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN and c.pid in pids}
+
+
+@pytest.mark.slow
 @pytest.mark.timeout(1800)
 def test_grpo_job_on_a_multinode_cluster_with_s3_storage(multinode_cluster, s3_store):
     from ray.util.state import list_actors, list_nodes, list_tasks
@@ -86,6 +107,7 @@ def test_grpo_job_on_a_multinode_cluster_with_s3_storage(multinode_cluster, s3_s
 
     cluster = multinode_cluster
     root = f"s3://{s3_store['bucket']}/runs-{uuid.uuid4().hex[:8]}"
+    assert _listening_ips(list(cluster["temp_dirs"].values())) <= {"127.0.0.1"}
     t0 = time.time()
     job = _submit(cluster, root)
     # kill rollout node "b" (its own processes only) once GRPO has trained a step

@@ -47,13 +47,13 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from osvl.config import REPO_ROOT, RunConfig, opt, run_dir
+from osvl.config import RunConfig, input_path, opt, run_dir
 from osvl.errors import ConfigError, DataError
 from osvl.kg.mediawiki import iter_page_fields, page_from_fields, parse_page
 from osvl.kg.schema import fold, write_kg
 
 JOB = "build_kg"
-SAMPLE_INPUT = "../shared/data/mediawiki/enwiki-pages-articles-sample.xml.bz2"
+SAMPLE_INPUT = "$OSVL_SHARED_DATA/mediawiki/enwiki-pages-articles-sample.xml.bz2"
 MAX_BAD_EXAMPLES = 5
 STATS_KEY = b"osvl_stats"
 
@@ -89,8 +89,7 @@ def validate(cfg: BuildKGConfig) -> Path:
         raise ConfigError(f"shard_pages and workers must be >= 1, got {cfg.shard_pages}, {cfg.workers}")
     if not cfg.input:
         raise ConfigError("set --input=PATH to a pages-articles export (.xml.bz2); see the README for the full dump")
-    path = Path(cfg.input)
-    path = path if path.is_absolute() else REPO_ROOT / path
+    path = input_path(cfg.input)
     if not path.is_file():
         raise ConfigError(f"input {cfg.input!r} does not exist ({path}); download the dump first (README)")
     return path
