@@ -30,9 +30,10 @@ JOBS = ("synthesize", "trajectories", "sft", "grpo")
 def grpo_args(root: str) -> list[str]:
     """The smallest sizes the chain runs at (README "Running on a cluster" shows the same command)."""
     return [f"--run.root={root}", "--run.name=e2e",
-            "--synth.questions_per_seed=2", "--synth.num_shards=2", "--synth.workers=2",
+            "--synth.questions_per_seed=2", "--synth.num_shards=2", "--synth.workers=2", "--synth.role_units=1",
             "--trajectories.max_questions=8", "--trajectories.shard_size=4", "--trajectories.workers=2",
-            "--trajectories.n_teacher_rollouts=1", "--sft.epochs=1", "--sft.max_len=1024", "--sft.num_workers=1",
+            "--trajectories.role_units=1", "--trajectories.n_teacher_rollouts=1", "--sft.epochs=1",
+            "--sft.max_len=1024", "--sft.num_workers=1",
             "--rl.group_size=2", "--rl.max_len=2048", f"--train.steps={STEPS}", "--train.groups_per_step=2",
             "--train.ckpt_every=1", "--rollout.num_actors=2", "--rollout.num_gpus=0.5", "--rollout.role_units=1",
             "--rollout.max_turns=3", "--rollout.max_new_tokens=32", "--rollout.max_episode_tokens=2048",

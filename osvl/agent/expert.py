@@ -107,6 +107,8 @@ class TrajConfig:
     tools: ToolOptions = opt(ToolOptions, "Tool-environment settings.")
     shard_size: int = opt(100, "Questions per shard (the unit of resume).")
     workers: int = opt(2, "Ray actors running shards in parallel.", hashed=False)
+    role_units: float = opt(0.0, "Units of the 'data' custom resource (osvl.cluster.ROLE_RESOURCES, declared on data "
+                                 "nodes by cluster.yaml and deploy/) each worker requests; 0 = none.", hashed=False)
     concurrency: int = opt(16, "Episodes in flight per actor.", hashed=False)
 
 
@@ -363,7 +365,7 @@ def run(cfg: TrajConfig, *, log: Any = print) -> tuple[Path, dict[str, Any]]:
     """Answer the split's questions with the teacher, filter, keep, write (resuming shards)."""
     import ray
 
-    from osvl.cluster import init_ray
+    from osvl.cluster import init_ray, role_resources
 
     validate(cfg)
     t0 = time.perf_counter()
@@ -382,8 +384,8 @@ def run(cfg: TrajConfig, *, log: Any = print) -> tuple[Path, dict[str, Any]]:
         ds = ray.data.from_items([{"shard": k} for k in todo], override_num_blocks=len(todo))
         ds = ds.map_batches(ShardWorker, fn_constructor_kwargs={"cfg": to_dict(cfg), "qdir": storage.location(qdir),
                                                                 "out_dir": storage.location(out)},
-                            batch_size=1, num_cpus=1, compute=ray.data.ActorPoolStrategy(size=min(cfg.workers,
-                                                                                                  len(todo))))
+                            batch_size=1, num_cpus=1, resources=role_resources("data", cfg.role_units),
+                            compute=ray.data.ActorPoolStrategy(size=min(cfg.workers, len(todo))))
         finished = n_shards - len(todo)
         for row in ds.iter_rows():
             finished += 1

@@ -99,6 +99,8 @@ class SynthConfig:
     min_grounding_score: float = opt(0.0, "Use only anchors scoring at least this.")
     num_shards: int = opt(16, "Shards (groups of seeds); the unit of parallelism and of resume.")
     workers: int = opt(2, "Ray Data actors synthesizing shards in parallel.", hashed=False)
+    role_units: float = opt(0.0, "Units of the 'data' custom resource (osvl.cluster.ROLE_RESOURCES, declared on data "
+                                 "nodes by cluster.yaml and deploy/) each worker requests; 0 = none.", hashed=False)
     split_fractions: list[float] = opt([0.6, 0.3, 0.1], "sft/rl/heldout share of seeds (so of questions).")
     entity_split_fractions: list[float] = opt(
         [0.5, 0.3, 0.2], "sft/rl/heldout share of non-seed entities; small splits get a little more room "
@@ -511,7 +513,7 @@ def run(cfg: SynthConfig, *, log: Any = print) -> tuple[Path, dict[str, Any]]:
     """Synthesize (resuming committed shards), finalize; returns the run folder and the data card."""
     import ray
 
-    from osvl.cluster import init_ray
+    from osvl.cluster import init_ray, role_resources
 
     validate(cfg)
     t0 = time.perf_counter()
@@ -530,7 +532,7 @@ def run(cfg: SynthConfig, *, log: Any = print) -> tuple[Path, dict[str, Any]]:
         init_ray()
         ds = ray.data.from_items([{"shard": k} for k in todo], override_num_blocks=len(todo))
         ds = ds.map_batches(ShardWorker, fn_constructor_kwargs={"cfg": to_dict(cfg), "out_dir": storage.location(out)},
-                            batch_size=1, num_cpus=1,
+                            batch_size=1, num_cpus=1, resources=role_resources("data", cfg.role_units),
                             compute=ray.data.ActorPoolStrategy(size=min(cfg.workers, len(todo))))
         finished = cfg.num_shards - len(todo)
         for row in ds.iter_rows():
