@@ -110,28 +110,31 @@ def multinode_cluster(s3_store):
     dash, gcs = free_port(), free_port()
     address = f"http://{LOOPBACK}:{dash}"
     env = {**os.environ, **loopback_env(), **s3_store["env"], **worker_env(address), "RAY_AUTH_MODE": "token",
-           "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}",
-           # worker nodes refuse to join without it; every socket still binds to --node-ip-address
-           "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "1"}
+           "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"}
     env.pop("RAY_ADDRESS", None)
     ports = ["--dashboard-agent-listen-port", "--dashboard-agent-grpc-port", "--runtime-env-agent-port",
              "--metrics-export-port", "--node-manager-port", "--object-manager-port"]
     temp_dirs = {name: base / f"node-{name}" for name in ["head", *WORKER_NODES]}
     caches = {name: base / f"{name}-cache" for name in temp_dirs}
 
-    def start(name: str, args: list[str]) -> None:
-        cmd = [str(bin_dir / "ray"), "start", f"--node-ip-address={LOOPBACK}", f"--temp-dir={temp_dirs[name]}",
+    def start(name: str, ip: str, args: list[str]) -> None:
+        # A worker node must be allowed to join (RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=1), and with that
+        # Ray replaces a --node-ip-address of 127.0.0.1 by the machine's address: so each worker node
+        # gets a loopback address of its own (127.0.0.2, ...), like distinct hosts, all on `lo`.
+        cmd = [str(bin_dir / "ray"), "start", f"--node-ip-address={ip}", f"--temp-dir={temp_dirs[name]}",
                "--disable-usage-stats", *(f"{p}={free_port()}" for p in ports), *args]
-        subprocess.run(cmd, env={**env, "OSVL_STORAGE_CACHE": str(caches[name])}, check=True,
-                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=180)
+        node_env = {**env, "OSVL_STORAGE_CACHE": str(caches[name]),
+                    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0" if name == "head" else "1"}
+        subprocess.run(cmd, env=node_env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=180)
 
     try:
-        start("head", ["--head", "--num-cpus=0", "--num-gpus=0", f"--port={gcs}", f"--dashboard-host={LOOPBACK}",
-                       f"--dashboard-port={dash}", f"--ray-client-server-port={free_port()}"])
-        for name, node in WORKER_NODES.items():
+        start("head", LOOPBACK, ["--head", "--num-cpus=0", "--num-gpus=0", f"--port={gcs}",
+                                 f"--dashboard-host={LOOPBACK}", f"--dashboard-port={dash}",
+                                 f"--ray-client-server-port={free_port()}"])
+        for i, (name, node) in enumerate(WORKER_NODES.items()):
             roles = {ROLE_RESOURCES[role]: units for role, units in node["roles"].items()}
-            start(name, [f"--address={LOOPBACK}:{gcs}", f"--num-cpus={node['cpus']}", f"--num-gpus={node['gpus']}",
-                         f"--resources={json.dumps(roles)}"])
+            start(name, f"127.0.0.{i + 2}", [f"--address={LOOPBACK}:{gcs}", f"--num-cpus={node['cpus']}",
+                                             f"--num-gpus={node['gpus']}", f"--resources={json.dumps(roles)}"])
         with pytest.MonkeyPatch.context() as mp:
             mp.setenv("RAY_AUTH_MODE", "token")
             from ray.util.state import list_nodes
