@@ -122,11 +122,6 @@ def open_root(root: str, setting: str = "run.root") -> tuple[Any, str]:
     return _open(str(root).rstrip("/") if is_uri(root) else str(root), setting)
 
 
-def exists(uri: str) -> bool:
-    fs, path = open_root(uri)
-    return fs.get_file_info(path).type.name != "NotFound"
-
-
 def mirror_dir(uri: str) -> Path:
     """The node-local cache folder that mirrors the remote folder ``uri`` (a cache: deleting it loses
     nothing published), under ``$OSVL_STORAGE_CACHE`` (default ``$OSVL_CACHE/storage``)."""
