@@ -159,6 +159,7 @@ def train(parts: GRPOParts, model_dir: str | Path, questions: list[dict[str, Any
     ``<prefix>rollout0``, ... (``ray.get_actor``), for inspection and fault injection.
     """
     import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     from osvl.cluster import role_resources
     from osvl.rl import checkpoint as ckpt
@@ -177,7 +178,10 @@ def train(parts: GRPOParts, model_dir: str | Path, questions: list[dict[str, Any
     log_path = out / "steps.jsonl"
     resume = ckpt.latest(ckpt_root)
     named = (lambda n: {"name": actor_prefix + n}) if actor_prefix else (lambda n: {})  # noqa: E731
-    buffer = ray.remote(TrajectoryBuffer).options(num_cpus=0, **named("buffer")).remote(
+    # the buffer and the weight store live on the driver's node (the head in production): losing a
+    # worker node must not take the run's ledger with it, and losing the driver ends the run anyway
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+    buffer = ray.remote(TrajectoryBuffer).options(num_cpus=0, scheduling_strategy=here, **named("buffer")).remote(
         len(questions), tc.groups_per_step, tc.steps, tc.max_staleness, parts.run.seed, tc.max_attempts)
     if resume is not None:
         ray.get(buffer.load_state.remote(ckpt.load_buffer_state(resume), tc.steps))
@@ -185,7 +189,7 @@ def train(parts: GRPOParts, model_dir: str | Path, questions: list[dict[str, Any
         model_dir = resume / "hf"  # the actors start from the checkpoint's policy (the learner republishes it)
     elif log_path.exists():
         log_path.unlink()  # a fresh run: no stale rows from a run that died before its first checkpoint
-    store = ray.remote(WeightStore).options(num_cpus=0).remote()
+    store = ray.remote(WeightStore).options(num_cpus=0, scheduling_strategy=here).remote()
     questions_ref = ray.put(questions)
 
     image_dir.mkdir(parents=True, exist_ok=True)
