@@ -31,8 +31,8 @@ def grpo_args(root: str) -> list[str]:
     """The smallest sizes the chain runs at (README "Running on a cluster" shows the same command)."""
     return [f"--run.root={root}", "--run.name=e2e",
             "--synth.questions_per_seed=2", "--synth.num_shards=2", "--synth.workers=2", "--synth.role_units=1",
-            "--trajectories.max_questions=8", "--trajectories.shard_size=4", "--trajectories.workers=2",
-            "--trajectories.role_units=1", "--trajectories.n_teacher_rollouts=1", "--sft.epochs=1",
+            "--trajectories.max_questions=4", "--trajectories.shard_size=4", "--trajectories.workers=1",
+            "--trajectories.role_units=1", "--trajectories.n_teacher_rollouts=1", "--sft.max_steps=2",
             "--sft.max_len=1024", "--sft.num_workers=1",
             "--rl.group_size=2", "--rl.max_len=2048", f"--train.steps={STEPS}", "--train.groups_per_step=2",
             "--train.ckpt_every=1", "--rollout.num_actors=2", "--rollout.num_gpus=0.5", "--rollout.role_units=1",
@@ -100,7 +100,7 @@ def _listening_ips(temp_dirs: list[Path]) -> set[str]:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(1800)
+@pytest.mark.timeout(2400)
 def test_grpo_job_on_a_multinode_cluster_with_s3_storage(multinode_cluster, s3_store):
     from ray.util.state import list_actors, list_nodes, list_tasks
 
@@ -113,14 +113,16 @@ def test_grpo_job_on_a_multinode_cluster_with_s3_storage(multinode_cluster, s3_s
     job = _submit(cluster, root)
     # kill rollout node "b" (its own processes only) once GRPO has trained a step
     killed_at = None
-    deadline = time.time() + 900
+    deadline = time.time() + 1500
     while job.poll() is None and time.time() < deadline:
         if killed_at is None and "grpo/e2e/steps.jsonl" in _files(root):
             if _read(root, "grpo/e2e/steps.jsonl").strip():
                 stop_node(str(cluster["temp_dirs"]["b"]))
                 killed_at = time.time() - t0
         time.sleep(2)
-    out = job.communicate(timeout=max(10, deadline - time.time()))[0]
+    if job.poll() is None:
+        job.kill()
+    out = job.communicate(timeout=60)[0]
     print(f"first submission: {time.time() - t0:.0f} s, node b killed at {killed_at} s")
     assert job.returncode == 0 and "OK —" in out, out[-6000:]
     assert killed_at is not None, "GRPO finished before the node could be killed"
