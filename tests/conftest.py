@@ -121,11 +121,17 @@ def multinode_cluster(s3_store):
         # A worker node must be allowed to join (RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=1), and with that
         # Ray replaces a --node-ip-address of 127.0.0.1 by the machine's address: so each worker node
         # gets a loopback address of its own (127.0.0.2, ...), like distinct hosts, all on `lo`.
-        cmd = [str(bin_dir / "ray"), "start", f"--node-ip-address={ip}", f"--temp-dir={temp_dirs[name]}",
-               "--disable-usage-stats", *(f"{p}={free_port()}" for p in ports), *args]
         node_env = {**env, "OSVL_STORAGE_CACHE": str(caches[name]),
                     "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0" if name == "head" else "1"}
-        subprocess.run(cmd, env=node_env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=180)
+        for _ in range(2):  # a free port can be taken by a parallel session before Ray binds it
+            cmd = [str(bin_dir / "ray"), "start", f"--node-ip-address={ip}", f"--temp-dir={temp_dirs[name]}",
+                   "--disable-usage-stats", *(f"{p}={free_port()}" for p in ports), *args]
+            done = subprocess.run(cmd, env=node_env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                  timeout=300)
+            if done.returncode == 0:
+                return
+            stop_node(str(temp_dirs[name]))
+        raise RuntimeError(f"ray start of node {name} failed: {done.stderr[-3000:]}")
 
     try:
         start("head", LOOPBACK, ["--head", "--num-cpus=0", "--num-gpus=0", f"--port={gcs}",
