@@ -118,11 +118,11 @@ def multinode_cluster(s3_store):
     caches = {name: base / f"{name}-cache" for name in temp_dirs}
 
     def start(name: str, ip: str, args: list[str]) -> None:
-        # A worker node must be allowed to join (RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=1), and with that
-        # Ray replaces a --node-ip-address of 127.0.0.1 by the machine's address: so each worker node
-        # gets a loopback address of its own (127.0.0.2, ...), like distinct hosts, all on `lo`.
-        node_env = {**env, "OSVL_STORAGE_CACHE": str(caches[name]),
-                    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0" if name == "head" else "1"}
+        # A worker node must be allowed to join (RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=1), and with that Ray
+        # replaces 127.0.0.1 (in --node-ip-address and --address) by the machine's address: so every node
+        # gets a loopback address of its own (127.0.0.2, ...), like distinct hosts, all on `lo`; only the
+        # dashboard (job submission, state API) is on 127.0.0.1.
+        node_env = {**env, "OSVL_STORAGE_CACHE": str(caches[name]), "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "1"}
         for _ in range(2):  # a free port can be taken by a parallel session before Ray binds it
             cmd = [str(bin_dir / "ray"), "start", f"--node-ip-address={ip}", f"--temp-dir={temp_dirs[name]}",
                    "--disable-usage-stats", *(f"{p}={free_port()}" for p in ports), *args]
@@ -134,12 +134,12 @@ def multinode_cluster(s3_store):
         raise RuntimeError(f"ray start of node {name} failed: {done.stderr[-3000:]}")
 
     try:
-        start("head", LOOPBACK, ["--head", "--num-cpus=0", "--num-gpus=0", f"--port={gcs}",
+        start("head", "127.0.0.2", ["--head", "--num-cpus=0", "--num-gpus=0", f"--port={gcs}",
                                  f"--dashboard-host={LOOPBACK}", f"--dashboard-port={dash}",
                                  f"--ray-client-server-port={free_port()}"])
         for i, (name, node) in enumerate(WORKER_NODES.items()):
             roles = {ROLE_RESOURCES[role]: units for role, units in node["roles"].items()}
-            start(name, f"127.0.0.{i + 2}", [f"--address={LOOPBACK}:{gcs}", f"--num-cpus={node['cpus']}",
+            start(name, f"127.0.0.{i + 3}", [f"--address=127.0.0.2:{gcs}", f"--num-cpus={node['cpus']}",
                                              f"--num-gpus={node['gpus']}", f"--resources={json.dumps(roles)}"])
         with pytest.MonkeyPatch.context() as mp:
             mp.setenv("RAY_AUTH_MODE", "token")
