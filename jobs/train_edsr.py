@@ -31,7 +31,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from osvl.config import REPO_ROOT, RunConfig, dump, opt, parse_args, run_dir  # noqa: E402
+from osvl.config import RunConfig, dump, input_path, opt, parse_args, run_dir  # noqa: E402
 from osvl.errors import ConfigError, DataError  # noqa: E402
 
 JOB = "train_edsr"
@@ -50,9 +50,9 @@ class ModelConfig:
 
 @dataclasses.dataclass
 class DataConfig:
-    photo_dirs: list[str] = opt(["../shared/data/images/gcompris", "../shared/data/images/opencv"],
-                                "Folders searched recursively for training photos (relative paths are "
-                                "relative to the repo root).")
+    photo_dirs: list[str] = opt(["$OSVL_SHARED_DATA/images/gcompris", "$OSVL_SHARED_DATA/images/opencv"],
+                                "Folders searched recursively for training photos ($OSVL_SHARED_DATA expanded; "
+                                "relative paths are relative to the repo root).")
     exclude: list[str] = opt(["butterfly"], "File stems never used (butterfly is in Set5).")
     skimage: list[str] = opt(["astronaut", "chelsea", "coffee", "rocket"], "skimage.data photos to add.")
     holdout: int = opt(8, "Photos kept out of training for the validation PSNR.")
@@ -79,16 +79,11 @@ class TrainEdsrConfig:
                          hashed=False)
 
 
-def _resolve(p: str) -> Path:
-    path = Path(p)
-    return path if path.is_absolute() else (REPO_ROOT / path).resolve()
-
-
 def photo_paths(data: DataConfig) -> list[Path]:
     """Every training photo, sorted by content-independent name hash so the hold-out is a fixed random pick."""
     paths = []
     for d in data.photo_dirs:
-        root = _resolve(d)
+        root = input_path(d)
         if not root.is_dir():
             raise DataError(f"photo folder not found: {root}")
         for p in root.rglob("*"):
@@ -241,7 +236,7 @@ def main(argv: list[str] | None = None) -> dict:
     model = load_model(weights)
     report = {"weights": str(weights), "bytes": weights.stat().st_size, "meta": model.meta}
     for d in cfg.eval_dirs:
-        folder = _resolve(d)
+        folder = input_path(d)
         imgs = {p.stem: read_rgb(p) for p in sorted(folder.glob("*.png"))}
         rows = evaluate(model, imgs, cfg.model.scale)
         report[folder.name] = {"per_image": rows,
@@ -249,7 +244,7 @@ def main(argv: list[str] | None = None) -> dict:
                                "mean_edsr": round(sum(r["edsr"] for r in rows) / len(rows), 3)}
     (out / "report.json").write_text(json.dumps(report, indent=1))
     if cfg.export_to:
-        dst = _resolve(cfg.export_to)
+        dst = input_path(cfg.export_to)
         dst.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(weights, dst)
         report["exported"] = str(dst)

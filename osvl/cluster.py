@@ -25,8 +25,14 @@ from typing import Any
 
 LOOPBACK = "127.0.0.1"
 
-# Custom Ray resources that pin work to a node role; cluster.yaml and deploy/ declare these names.
+# The custom resource each role's nodes offer: cluster.yaml and deploy/ declare these names, and
+# placement code requests them from config through this dict (``role_resources``), never by literal.
 ROLE_RESOURCES = {"learner": "learner", "rollout": "rollout", "tools": "tools", "data": "data"}
+
+
+def role_resources(role: str, units: float) -> dict[str, float]:
+    """Ray ``resources=`` for ``units`` of ``role``'s custom resource (none when 0: a local cluster declares none)."""
+    return {ROLE_RESOURCES[role]: units} if units > 0 else {}
 
 
 def loopback_env() -> dict[str, str]:
@@ -162,12 +168,18 @@ def head_up() -> str:
 
 def head_down() -> int:
     """Stop the processes of the head started by ``head_up`` (and only those); returns how many."""
+    return stop_node(HEAD_TEMP_DIR)
+
+
+def stop_node(temp_dir: str) -> int:
+    """Stop every process of the Ray node started with ``--temp-dir=temp_dir`` (and only those; a
+    machine-wide ``ray stop`` would kill every Ray process of every user); returns how many."""
     import psutil
 
     procs = []
     for proc in psutil.process_iter(["cmdline"]):
         try:
-            if HEAD_TEMP_DIR in " ".join(proc.info["cmdline"] or []) and proc.pid != os.getpid():
+            if str(temp_dir) in " ".join(proc.info["cmdline"] or []) and proc.pid != os.getpid():
                 procs.append(proc)
                 procs.extend(proc.children(recursive=True))
         except psutil.Error:

@@ -34,6 +34,20 @@ from osvl.errors import ConfigError
 REPO_ROOT = Path(__file__).resolve().parents[1]
 CONFIG_DIR = REPO_ROOT / "configs"
 DEFAULT_RUN_ROOT = os.environ.get("OSVL_RUN_ROOT", str(REPO_ROOT / "runs"))
+SHARED_DATA = "$OSVL_SHARED_DATA"  # how configs name the shared data folder (read-only inputs)
+
+
+def input_path(value: str) -> Path:
+    """An input path from a config: ``$OSVL_SHARED_DATA`` replaced by that environment variable (default:
+    ``shared/data`` beside the checkout), then a relative path taken from the repo root.
+
+    Why not a plain relative path: under ``ray job submit --working-dir .`` the job runs in Ray's
+    unpacked copy of the checkout, beside which nothing else exists; the cluster's data folder
+    reaches the job through the environment (``--runtime-env-json '{"env_vars": {...}}'``).
+    """
+    shared = os.environ.get("OSVL_SHARED_DATA") or str(REPO_ROOT.parent / "shared" / "data")
+    path = Path(value.replace("${OSVL_SHARED_DATA}", SHARED_DATA).replace(SHARED_DATA, shared))
+    return path if path.is_absolute() else (REPO_ROOT / path).resolve()
 
 T = TypeVar("T")
 
@@ -58,8 +72,9 @@ def opt(default: Any, doc: str, *, hashed: bool = True) -> Any:
 class RunConfig:
     """Where a job writes and how it seeds itself; embedded in every job config as ``run``."""
 
-    root: str = opt(DEFAULT_RUN_ROOT, "Run root: outputs go to <root>/<job>/<config hash>/ "
-                    "(env OSVL_RUN_ROOT sets the default).", hashed=False)
+    # a URI's credentials and endpoint come from the filesystem's standard environment (osvl/storage.py)
+    root: str = opt(DEFAULT_RUN_ROOT, "Run root: <root>/<job>/<config hash>/; a folder or an s3://, gs://, file:// "
+                    "URI (env OSVL_RUN_ROOT: default).", hashed=False)
     seed: int = opt(0, "Global random seed (Python, NumPy, torch, and per-shard seeds derive from it).")
     name: str = opt("", "Optional run name; when set it replaces the config hash as the folder name.",
                     hashed=False)
@@ -345,13 +360,25 @@ def config_hash(cfg: Any) -> str:
 
 
 def run_dir(cfg: Any, job: str) -> Path:
-    """``<run.root>/<job>/<name or config hash>``; created, with ``config.yaml`` saved in it."""
+    """``<run.root>/<job>/<name or config hash>``; created, with ``config.yaml`` saved in it.
+
+    A remote root (``s3://...``, ``gs://...``) gives the node-local mirror of that folder,
+    filled from storage (``osvl.storage``); the job publishes what it finishes back.
+    """
     import yaml
 
+    from osvl import storage
+
     run = cfg.run
-    path = Path(run.root) / job / (run.name or config_hash(cfg))
+    folder = run.name or config_hash(cfg)
+    storage.open_root(run.root, "run.root")  # a bad root fails here, before anything is written
+    if storage.is_remote(run.root):
+        path = storage.mirror(storage.join(run.root, job, folder))
+    else:
+        path = Path(str(run.root).removeprefix("file://")) / job / folder
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    storage.publish(path, "config.yaml")
     return path
 
 

@@ -20,6 +20,11 @@ class ConfigError(OsvlError):
     """A config file or ``--key=value`` override is wrong (unknown key, bad type, bad value)."""
 
 
+class StorageError(ConfigError):
+    """A storage URI (``run.root`` and the like) cannot be used: unknown scheme, unreachable endpoint,
+    missing or refused credentials, missing bucket. Raised at start, before anything is written."""
+
+
 class DependencyMissingError(OsvlError):
     """An optional dependency is not installed; the message names the install command."""
 

@@ -28,3 +28,130 @@ def ray_cluster():
     import ray
 
     ray.shutdown()
+
+
+S3_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_REGION": "us-east-1",
+          "AWS_EC2_METADATA_DISABLED": "true"}  # dummy credentials; never the cloud metadata address
+
+
+@pytest.fixture(scope="session")
+def s3_store():
+    """A real S3-compatible object store on loopback (moto's server mode) with one bucket, ``osvl-test``.
+
+    Yields ``{"endpoint", "bucket", "env"}``; ``env`` holds the settings a client needs (endpoint,
+    dummy credentials, ``AWS_EC2_METADATA_DISABLED=true``). They are also set in this process's
+    environment for the session, so the storage layer and any Ray worker started here inherit them.
+    """
+    import shutil
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    from osvl.cluster import LOOPBACK, free_port
+
+    server = shutil.which("moto_server", path=str(Path(sys.executable).parent))
+    if server is None:
+        pytest.skip("moto[server] is not installed")
+    port = free_port()
+    proc = subprocess.Popen([server, "-H", LOOPBACK, "-p", str(port)], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    endpoint = f"http://{LOOPBACK}:{port}"
+    deadline = time.time() + 60
+    while True:
+        try:
+            urllib.request.urlopen(endpoint, timeout=2).close()
+            break
+        except OSError:
+            if time.time() > deadline or proc.poll() is not None:
+                proc.kill()
+                raise RuntimeError(f"moto server did not come up on {endpoint}") from None
+            time.sleep(0.3)
+    env = {**S3_ENV, "AWS_ENDPOINT_URL": endpoint}
+    with pytest.MonkeyPatch.context() as mp:
+        for key, value in env.items():
+            mp.setenv(key, value)
+        urllib.request.urlopen(urllib.request.Request(f"{endpoint}/osvl-test", method="PUT"), timeout=10).close()
+        yield {"endpoint": endpoint, "bucket": "osvl-test", "env": env}
+    proc.terminate()
+    proc.wait(timeout=15)
+
+
+# The multi-node cluster's worker nodes: logical GPUs and role resources (osvl.cluster.ROLE_RESOURCES),
+# so that placement is exercised without CUDA. Both can host rollouts; "b" is the one a test may kill
+# (node "a" keeps a spare rollout unit for the actor that replaces b's).
+WORKER_NODES = {"a": {"cpus": 3, "gpus": 1, "roles": {"rollout": 2, "learner": 1, "data": 2, "tools": 1}},
+                "b": {"cpus": 2, "gpus": 1, "roles": {"rollout": 1, "data": 2}}}
+
+
+@pytest.fixture(scope="session")
+def multinode_cluster(s3_store):
+    """A real multi-node Ray cluster on loopback plus the S3-compatible store (``s3_store``).
+
+    A head with ``num_cpus=0`` like production (it runs job drivers and the dashboard), and the
+    worker nodes of ``WORKER_NODES`` joined with ``ray start --address``: separate processes, each
+    with its own temp dir (so one can be stopped alone, never with a machine-wide ``ray stop``) and
+    its own ``OSVL_STORAGE_CACHE`` (so nothing passes between nodes except through the bucket).
+    Yields ``{"address", "env", "temp_dirs", "caches"}``; ``env`` is what a ``ray job submit``
+    against it needs.
+    """
+    import json
+    import shutil
+    import subprocess
+    import sys
+    import tempfile
+    import time
+
+    from osvl.cluster import LOOPBACK, ROLE_RESOURCES, free_port, loopback_env, stop_node, worker_env
+
+    # short: Ray's unix sockets live under the temp dir, and a socket path is at most 107 bytes
+    base = Path(tempfile.mkdtemp(prefix="osvl-mn-"))
+    bin_dir = Path(sys.executable).parent
+    dash, gcs = free_port(), free_port()
+    address = f"http://{LOOPBACK}:{dash}"
+    env = {**os.environ, **loopback_env(), **s3_store["env"], **worker_env(address), "RAY_AUTH_MODE": "token",
+           "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"}
+    env.pop("RAY_ADDRESS", None)
+    ports = ["--dashboard-agent-listen-port", "--dashboard-agent-grpc-port", "--runtime-env-agent-port",
+             "--metrics-export-port", "--node-manager-port", "--object-manager-port"]
+    temp_dirs = {name: base / f"node-{name}" for name in ["head", *WORKER_NODES]}
+    caches = {name: base / f"{name}-cache" for name in temp_dirs}
+
+    def start(name: str, ip: str, args: list[str]) -> None:
+        # A worker node must be allowed to join (RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=1), and with that Ray
+        # replaces 127.0.0.1 (in --node-ip-address and --address) by the machine's address: so every node
+        # gets a loopback address of its own (127.0.0.2, ...), like distinct hosts, all on `lo`; only the
+        # dashboard (job submission, state API) is on 127.0.0.1.
+        node_env = {**env, "OSVL_STORAGE_CACHE": str(caches[name]), "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "1"}
+        for _ in range(2):  # a free port can be taken by a parallel session before Ray binds it
+            cmd = [str(bin_dir / "ray"), "start", f"--node-ip-address={ip}", f"--temp-dir={temp_dirs[name]}",
+                   "--disable-usage-stats", *(f"{p}={free_port()}" for p in ports), *args]
+            done = subprocess.run(cmd, env=node_env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                  timeout=300)
+            if done.returncode == 0:
+                return
+            stop_node(str(temp_dirs[name]))
+        raise RuntimeError(f"ray start of node {name} failed: {done.stderr[-3000:]}")
+
+    try:
+        start("head", "127.0.0.2", ["--head", "--num-cpus=0", "--num-gpus=0", f"--port={gcs}",
+                                 f"--dashboard-host={LOOPBACK}", f"--dashboard-port={dash}",
+                                 f"--ray-client-server-port={free_port()}"])
+        for i, (name, node) in enumerate(WORKER_NODES.items()):
+            roles = {ROLE_RESOURCES[role]: units for role, units in node["roles"].items()}
+            start(name, f"127.0.0.{i + 3}", [f"--address=127.0.0.2:{gcs}", f"--num-cpus={node['cpus']}",
+                                             f"--num-gpus={node['gpus']}", f"--resources={json.dumps(roles)}"])
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("RAY_AUTH_MODE", "token")
+            from ray.util.state import list_nodes
+
+            deadline = time.time() + 120
+            while len([n for n in list_nodes(address=address) if n.state == "ALIVE"]) < 1 + len(WORKER_NODES):
+                if time.time() > deadline:
+                    raise RuntimeError("the worker nodes did not join")
+                time.sleep(1)
+            yield {"address": address, "env": env, "temp_dirs": temp_dirs, "caches": caches}
+    finally:
+        for name in reversed(list(temp_dirs)):
+            stop_node(str(temp_dirs[name]))
+        shutil.rmtree(base, ignore_errors=True)

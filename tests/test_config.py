@@ -435,7 +435,7 @@ profiles: demo, production (default: demo)
 
 [run] Run root and seed.
   --run.root="{root}"  (str)
-      Run root: outputs go to <root>/<job>/<config hash>/ (env OSVL_RUN_ROOT sets the default).
+      Run root: <root>/<job>/<config hash>/; a folder or an s3://, gs://, file:// URI (env OSVL_RUN_ROOT: default).
   --run.seed=0  (int)
       Global random seed (Python, NumPy, torch, and per-shard seeds derive from it).
   --run.name=""  (str)
@@ -549,3 +549,17 @@ def test_to_dict_and_dump():
     assert d["model"] == {"hidden": 16, "dropout": 0.1, "act": "gelu", "cache": ""}
     text = dump(Job(lr=1e-6))
     assert yaml.safe_load(text)["lr"] == 1e-6 and text.index("model:") < text.index("lr:")
+
+
+def test_input_paths_name_the_shared_data_folder_through_the_environment(monkeypatch, tmp_path):
+    # under `ray job submit --working-dir .` nothing exists beside Ray's copy of the checkout: inputs name
+    # the shared data folder as $OSVL_SHARED_DATA, which the job's environment sets
+    monkeypatch.setenv("OSVL_SHARED_DATA", str(tmp_path / "data"))
+    assert C.input_path("$OSVL_SHARED_DATA/mediawiki/x.xml.bz2") == tmp_path / "data" / "mediawiki" / "x.xml.bz2"
+    assert C.input_path("${OSVL_SHARED_DATA}/images") == tmp_path / "data" / "images"
+    assert C.input_path("/abs/file") == Path("/abs/file")
+    assert C.input_path("configs") == C.REPO_ROOT / "configs"
+    monkeypatch.delenv("OSVL_SHARED_DATA")
+    assert C.input_path("$OSVL_SHARED_DATA") == (C.REPO_ROOT.parent / "shared" / "data").resolve()
+    for path in list(C.CONFIG_DIR.rglob("*.yaml")) + list((C.REPO_ROOT / "jobs").glob("*.py")):
+        assert "../shared" not in path.read_text(), path

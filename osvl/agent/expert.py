@@ -47,6 +47,7 @@ from typing import Any
 
 import numpy as np
 
+from osvl import storage
 from osvl.agent.engines.openai import EndpointConfig
 from osvl.agent.loop import AgentConfig
 from osvl.agent.reward import RewardConfig
@@ -106,6 +107,8 @@ class TrajConfig:
     tools: ToolOptions = opt(ToolOptions, "Tool-environment settings.")
     shard_size: int = opt(100, "Questions per shard (the unit of resume).")
     workers: int = opt(2, "Ray actors running shards in parallel.", hashed=False)
+    role_units: float = opt(0.0, "Units of the 'data' custom resource (osvl.cluster.ROLE_RESOURCES, declared on data "
+                                 "nodes by cluster.yaml and deploy/) each worker requests; 0 = none.", hashed=False)
     concurrency: int = opt(16, "Episodes in flight per actor.", hashed=False)
 
 
@@ -207,7 +210,8 @@ class ShardWorker:
         from osvl.tools.registry import all_tools
 
         self.cfg = from_dict(TrajConfig, cfg)
-        self.qdir, self.out = Path(qdir), Path(out_dir)
+        # locations, not paths: this node may hold no copy of either folder yet
+        self.qdir, self.out = storage.attach(qdir), storage.attach(out_dir)
         model = self.cfg.model
         if not model:
             from osvl.models.tiny import tiny_checkpoint
@@ -322,6 +326,7 @@ class ShardWorker:
         tmp = marker.with_suffix(f".{os.getpid()}.tmp")
         tmp.write_text(json.dumps(dict(counts), sort_keys=True))
         os.replace(tmp, marker)
+        storage.publish(self.out, f"shards/shard-{shard:05d}", marker.relative_to(self.out).as_posix())  # marker last
         return counts
 
 
@@ -360,7 +365,7 @@ def run(cfg: TrajConfig, *, log: Any = print) -> tuple[Path, dict[str, Any]]:
     """Answer the split's questions with the teacher, filter, keep, write (resuming shards)."""
     import ray
 
-    from osvl.cluster import init_ray
+    from osvl.cluster import init_ray, role_resources
 
     validate(cfg)
     t0 = time.perf_counter()
@@ -377,15 +382,16 @@ def run(cfg: TrajConfig, *, log: Any = print) -> tuple[Path, dict[str, Any]]:
     if todo:
         init_ray(num_cpus=max(cfg.workers, 1))
         ds = ray.data.from_items([{"shard": k} for k in todo], override_num_blocks=len(todo))
-        ds = ds.map_batches(ShardWorker, fn_constructor_kwargs={"cfg": to_dict(cfg), "qdir": str(qdir),
-                                                                "out_dir": str(out)},
-                            batch_size=1, num_cpus=1, compute=ray.data.ActorPoolStrategy(size=min(cfg.workers,
-                                                                                                  len(todo))))
+        ds = ds.map_batches(ShardWorker, fn_constructor_kwargs={"cfg": to_dict(cfg), "qdir": storage.location(qdir),
+                                                                "out_dir": storage.location(out)},
+                            batch_size=1, num_cpus=1, resources=role_resources("data", cfg.role_units),
+                            compute=ray.data.ActorPoolStrategy(size=min(cfg.workers, len(todo))))
         finished = n_shards - len(todo)
         for row in ds.iter_rows():
             finished += 1
             log(f"  shard {int(row['shard']):5d} done: kept {int(row['kept'])} in {float(row['seconds']):.1f} s "
                 f"({finished}/{n_shards})")
+        storage.refresh(out)  # shards the workers on other nodes published
     counts: Counter[str] = Counter()
     for k in range(n_shards):
         counts.update(json.loads((shard_dir / f"shard-{k:05d}.json").read_text()))
@@ -395,6 +401,7 @@ def run(cfg: TrajConfig, *, log: Any = print) -> tuple[Path, dict[str, Any]]:
     if merged:
         rep["seconds"] = json.loads((out / "report.json").read_text())["seconds"]
     (out / "report.json").write_text(json.dumps(rep, indent=1))
+    storage.publish(out)
     log(f"trajectories: kept {rep['kept']} of {rep['rollouts']} rollouts ({rep['questions_kept']} questions), "
         f"{rep['correct_rate']:.1%} judged correct, in {rep['seconds']} s -> {out}")
     return out, rep

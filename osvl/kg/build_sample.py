@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-from osvl.config import REPO_ROOT, opt, parse_args
+from osvl.config import input_path, opt, parse_args
 from osvl.kg import anchors as anc
 from osvl.kg import mediawiki, wikispeedia
 from osvl.kg.schema import SAMPLE_DIR, eligible_values, fold, write_kg
@@ -27,7 +27,7 @@ MAX_SIDE = 512
 
 @dataclasses.dataclass
 class BuildSampleConfig:
-    data: str = opt(str(REPO_ROOT.parent / "shared" / "data"), "The shared data folder (read-only inputs).",
+    data: str = opt("$OSVL_SHARED_DATA", "The shared data folder (read-only inputs; $OSVL_SHARED_DATA expanded).",
                     hashed=False)
     out: str = opt(str(SAMPLE_DIR), "Output KG folder (the committed sample by default).", hashed=False)
     text_chars: int = opt(1000, "Characters of article text kept per entity (keeps entities.parquet < 5 MB).")
@@ -50,7 +50,7 @@ def _image_name(src: anc.AnchorSource) -> str:
 
 def build(cfg: BuildSampleConfig) -> dict:
     t0 = time.time()
-    data, out = Path(cfg.data), Path(cfg.out)
+    data, out = input_path(cfg.data), Path(cfg.out)
     entities, links = wikispeedia.load(data / "wikispeedia", data / "wikidata" / "summaries_en.json", cfg.text_chars)
     by_id = {e["id"]: e for e in entities}
     by_title = {fold(e["title"]): e["id"] for e in entities}

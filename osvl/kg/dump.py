@@ -50,14 +50,14 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from osvl.config import REPO_ROOT, RunConfig, opt, run_dir
+from osvl.config import RunConfig, input_path, opt, run_dir
 from osvl.errors import ConfigError, DataError
 from osvl.kg import wikidata
 from osvl.kg.mediawiki import iter_page_fields, page_from_fields, parse_page
 from osvl.kg.schema import fold, write_kg
 
 JOB = "build_kg"
-SAMPLE_INPUT = "../shared/data/mediawiki/enwiki-pages-articles-sample.xml.bz2"
+SAMPLE_INPUT = "$OSVL_SHARED_DATA/mediawiki/enwiki-pages-articles-sample.xml.bz2"
 MAX_BAD_EXAMPLES = 5
 STATS_KEY = b"osvl_stats"
 
@@ -98,11 +98,6 @@ class BuildKGConfig:
     language: str = opt("en", "wikidata_json: language of the labels, aliases and descriptions read.")
 
 
-def _resolve(name: str) -> Path:
-    path = Path(name)
-    return path if path.is_absolute() else REPO_ROOT / path
-
-
 def input_format(cfg: BuildKGConfig, path: Path) -> str:
     """``cfg.format``, or for ``auto`` the one the file name says (compression suffixes ignored)."""
     if cfg.format != "auto":
@@ -124,13 +119,13 @@ def validate(cfg: BuildKGConfig) -> Path:
         raise ConfigError(f"shard_pages and workers must be >= 1, got {cfg.shard_pages}, {cfg.workers}")
     if not cfg.input:
         raise ConfigError("set --input=PATH to a pages-articles export (.xml.bz2); see the README for the full dump")
-    path = _resolve(cfg.input)
+    path = input_path(cfg.input)
     if not path.is_file():
         raise ConfigError(f"input {cfg.input!r} does not exist ({path}); download the dump first (README)")
     for name in ("labels", "images_dir"):
         value = getattr(cfg, name)
-        if value and not _resolve(value).exists():
-            raise ConfigError(f"{name} {value!r} does not exist ({_resolve(value)})")
+        if value and not input_path(value).exists():
+            raise ConfigError(f"{name} {value!r} does not exist ({input_path(value)})")
     return path
 
 
@@ -332,8 +327,8 @@ def run(cfg: BuildKGConfig, *, log: Callable[[str], None] = print) -> tuple[Path
         t0 = time.perf_counter()
         log(f"build_kg: {path} ({fmt}) -> {out}")
         init_ray()
-        report = wikidata.build(path, fmt, kg_dir, labels=_resolve(cfg.labels) if cfg.labels else None,
-                                images_dir=_resolve(cfg.images_dir) if cfg.images_dir else None,
+        report = wikidata.build(path, fmt, kg_dir, labels=input_path(cfg.labels) if cfg.labels else None,
+                                images_dir=input_path(cfg.images_dir) if cfg.images_dir else None,
                                 language=cfg.language, workers=cfg.workers, log=log)
         report["seconds"] = round(time.perf_counter() - t0, 1)
         (out / "counts.json").write_text(json.dumps(report, indent=1))

@@ -19,9 +19,8 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -29,7 +28,7 @@ import torch
 from osvl.config import opt
 from osvl.errors import TrainingDiverged
 from osvl.rl.fatal import NOT_FATAL, token_mask
-from osvl.rl.loss import MODES, LossOutput, apply_mode, group_advantages, policy_loss
+from osvl.rl.loss import MODES, LossOutput, apply_mode, group_advantages, loss_divisor, policy_loss
 
 
 @dataclass
@@ -80,25 +79,39 @@ class StepLoss:
 
 
 def grpo_loss(logp: torch.Tensor, batch: Mapping[str, torch.Tensor], cfg: RLConfig,
-              ref_logp: torch.Tensor | None = None) -> StepLoss:
+              ref_logp: torch.Tensor | None = None, *, live: bool = True,
+              global_divisor: Callable[[torch.Tensor], torch.Tensor] | None = None) -> StepLoss:
     """Fatal-aware GRPO loss of one batch (several groups may share it).
 
     ``batch`` holds (B, T) ``gen_mask``, ``step_ids``, ``old_logprobs`` and per-row
     ``reward``, ``group`` (group index), ``fatal`` (bool) and ``mask_start``.
     ``logp`` is (B, T), aligned with ``input_ids`` (log-prob of token t given < t).
+
+    When the batch is one rank's share of a step, ``global_divisor`` maps this batch's
+    divisor (``loss_divisor``) to the step's (a sum over the ranks), so the ranks' losses add
+    up to the loss one worker would compute on the whole step. ``live=False`` marks a stand-in
+    batch: it runs forward and backward (the collectives need every rank) with weight 0 and
+    adds nothing to the divisor.
     """
     mode = MODES[cfg.mode]
     fatal = batch["fatal"].to(torch.bool)
     raw = group_advantages(batch["reward"], batch["group"], baseline=cfg.baseline)
     adv, weight = apply_mode(raw, fatal, cfg.mode)
+    if not live:
+        weight = torch.zeros_like(weight)
     start = batch["mask_start"] if mode.mask_post_fatal else torch.full_like(batch["mask_start"], NOT_FATAL)
     gen = batch["gen_mask"].to(torch.float32)
     mask = token_mask(gen, batch["step_ids"], start)
+    divisor = None
+    if global_divisor is not None:
+        local = loss_divisor(mask, weight, cfg.aggregation) if live else torch.zeros(())
+        divisor = global_divisor(local.to(torch.float32))
     out = policy_loss(logp, batch["old_logprobs"].to(logp.dtype), adv, mask, weight, eps_low=cfg.eps_low,
                       eps_high=cfg.eps_high, ref_logp=ref_logp, beta=cfg.beta, aggregation=cfg.aggregation,
-                      gen_mask=gen)
+                      gen_mask=gen, divisor=divisor)
     # the clamp split: fatal rows whose normalised reward is negative (the clamp sets them to 0) vs
     # positive (kept); counted in every mode, so the ablations report what the clamp would do
+    fatal = fatal & live  # a stand-in batch counts nothing
     clamped = int((fatal & (raw < 0)).sum())
     kept = int((fatal & (raw > 0)).sum())  # a 0 advantage is neither
     return StepLoss(out=out, adv=adv, raw_adv=raw, mask=mask, clamped=clamped, kept_positive=kept,
@@ -129,11 +142,29 @@ def check_bounds(cfg: RLConfig, kl: float, entropy: float, step: int) -> None:
                                f"{cfg.entropy_max}; the policy is diverging")
 
 
+def _world() -> int:
+    """Ranks in the process group (1 without one: tests, the single-process learner)."""
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def _sum_ranks(t: torch.Tensor) -> torch.Tensor:
+    """``t`` summed over the ranks (``t`` itself on one)."""
+    import torch.distributed as dist
+
+    if _world() == 1:
+        return t
+    t = t.detach().clone()
+    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t
+
+
 def _all_ranks(ok: bool) -> bool:
     """``ok`` on every rank (a skip must be unanimous, or the ranks' collectives would deadlock)."""
     import torch.distributed as dist
 
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+    if _world() == 1:
         return ok
     t = torch.tensor([0 if ok else 1], dtype=torch.int32)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
@@ -234,7 +265,14 @@ class Learner:
         self.step_count = 0      # optimiser steps applied (the policy version)
         self.skipped = 0         # non-finite steps skipped
 
-    def step(self, batch: Mapping[str, torch.Tensor]) -> StepResult:
+    def step(self, batch: Mapping[str, torch.Tensor], live: bool = True) -> StepResult:
+        """One update on this rank's share of a step (see ``rank_share``; ``live=False``: a stand-in).
+
+        Under DeepSpeed with several ranks the loss is over the step's global divisor and
+        multiplied by the world size, because DeepSpeed *averages* the ranks' gradients: the
+        sum is then the gradient one worker would compute on the whole step, however the
+        groups were split. The loss and KL reported are the step's (summed over the ranks).
+        """
         t0, c0 = time.perf_counter(), time.process_time()
         self.model.train()
         module = self.engine if self.engine is not None else self.model
@@ -243,9 +281,17 @@ class Learner:
         if self.ref is not None and self.cfg.beta > 0:
             with torch.no_grad():
                 ref_logp, _ = forward_logprobs(self.ref, batch, self.temperature)
-        sl = grpo_loss(logp, batch, self.cfg, ref_logp)
-        entropy = token_entropy(logits, sl.mask[scored_positions(batch["gen_mask"])])  # logits' rows, in order
-        loss = sl.out.loss
+        world = _world()
+        sl = grpo_loss(logp, batch, self.cfg, ref_logp, live=live,
+                       global_divisor=_sum_ranks if world > 1 else None)
+        rows = sl.mask[scored_positions(batch["gen_mask"])]  # logits' rows, in order
+        entropy = token_entropy(logits, rows)
+        loss = sl.out.loss * (world if self.engine is not None else 1)
+        # the step's loss, KL and token-weighted entropy, the same on every rank (so are the bound checks)
+        n = float(rows.sum()) if live else 0.0
+        reported = _sum_ranks(torch.tensor([float(sl.out.loss.detach()), float(sl.out.policy_loss), float(sl.out.kl),
+                                            entropy * n, n], dtype=torch.float64))
+        entropy = float(reported[3] / reported[4]) if reported[4] > 0 else entropy
         finite = _all_ranks(bool(torch.isfinite(loss)))
         grad_norm = float("nan")
         if self.engine is not None:
@@ -272,11 +318,11 @@ class Learner:
             self.step_count += 1
         else:
             self.skipped += 1
-        kl = float(sl.out.kl)
+        kl = float(reported[2])
         if finite:
             check_bounds(self.cfg, kl, entropy, self.step_count)
-        return StepResult(step=self.step_count, skipped=not finite, loss=float(loss.detach()),
-                          policy_loss=float(sl.out.policy_loss), kl=kl, clip_fraction=float(sl.out.clip_fraction),
+        return StepResult(step=self.step_count, skipped=not finite, loss=float(reported[0]),
+                          policy_loss=float(reported[1]), kl=kl, clip_fraction=float(sl.out.clip_fraction),
                           mask_coverage=float(sl.out.mask_coverage), entropy=entropy, grad_norm=grad_norm,
                           clamped=sl.clamped, kept_positive=sl.kept_positive, n_fatal=sl.n_fatal,
                           tokens=int(batch["gen_mask"].sum()), seconds=time.perf_counter() - t0,
@@ -285,6 +331,31 @@ class Learner:
 
 # ---------------------------------------------------------------------------
 # batches and the Ray Train worker loop
+
+
+def _trainable(tr: Any, cfg: RLConfig) -> bool:
+    """Whether ``rl_batch`` keeps the record (the ``drop`` policy drops rows over ``max_len``)."""
+    return len(tr.input_ids) <= cfg.max_len or cfg.truncation != "drop"
+
+
+def rank_share(groups: Sequence[Sequence[Any]], rank: int, world: int,
+               cfg: RLConfig) -> tuple[list[Sequence[Any]], bool] | None:
+    """This rank's whole groups of a step and whether they are live; None when the step trains nothing.
+
+    Every rank sees the step's full list of groups, so each decides the same thing without
+    a collective. A rank left without a trainable row (fewer groups than ranks, or all its
+    rows dropped for length) still has to join every collective of the step (DeepSpeed's
+    gradient reduction, the divisor's sum), so it gets a stand-in: the step's shortest
+    trainable record, trained with weight 0 (``live=False``). When no row of the step is
+    trainable, every rank skips it together.
+    """
+    mine = list(groups[rank::world])
+    if any(_trainable(tr, cfg) for g in mine for tr in g):
+        return mine, True
+    rows = [tr for g in groups for tr in g if _trainable(tr, cfg)]
+    if not rows:
+        return None
+    return [[min(rows, key=lambda tr: len(tr.input_ids))]], False
 
 
 def rl_batch(groups: Sequence[Sequence[Any]], image_dir: str, processor: Any, cfg: RLConfig) -> dict[str, torch.Tensor]:
@@ -299,7 +370,7 @@ def rl_batch(groups: Sequence[Sequence[Any]], image_dir: str, processor: Any, cf
     group_ix: list[int] = []
     for g, trajs in enumerate(groups):
         for tr in trajs:
-            if len(tr.input_ids) <= cfg.max_len or cfg.truncation != "drop":
+            if _trainable(tr, cfg):
                 keep.append(tr)
                 group_ix.append(g)
     batch = collate(keep, image_dir, processor, cfg.max_len, cfg.truncation)
@@ -315,17 +386,20 @@ def train_loop(config: dict[str, Any]) -> None:
     """The Ray Train worker function: take a step's groups, update, publish, checkpoint; repeat.
 
     ``config`` (from the launcher, ``osvl/rl/trainer.py``): ``rl`` (RLConfig), ``model_dir``,
-    ``image_dir``, ``buffer`` and ``store`` (actor handles), ``steps`` (total), ``resume``
-    (checkpoint folder or ""), ``ckpt_root``, ``ckpt_every``, ``zero_stage``, ``threads``,
-    ``log_path`` (per-step JSONL), ``weights_every``, ``temperature`` (the rollouts' sampling temperature).
+    ``image_dir`` and ``run`` (the run folder: checkpoints, per-step JSONL), all three as storage
+    locations (``osvl.storage``), ``buffer`` and ``store`` (actor handles), ``steps`` (total),
+    ``ckpt_every``, ``zero_stage``, ``threads``, ``weights_every``, ``temperature`` (the rollouts'
+    sampling temperature).
     Every rank trains on its share of the step's groups (whole groups: the advantages
-    are per group); DeepSpeed averages the gradients.
+    are per group; ``rank_share``) over the step's global divisor, so any number of groups
+    on any number of ranks gives the one-worker gradient (``Learner.step``).
     """
     import json
 
     import ray
     import torch.distributed as dist
 
+    from osvl import storage
     from osvl.models.load import load_model, load_processor
     from osvl.rl import checkpoint as ckpt
     from osvl.rl.weights import publish
@@ -336,11 +410,16 @@ def train_loop(config: dict[str, Any]) -> None:
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     torch.manual_seed(config["seed"] + rank)
-    model = load_model(config["model_dir"], dtype="float32")
-    processor = load_processor(config["model_dir"])
+    model_dir = storage.attach(config["model_dir"])  # a location: this node may hold no copy yet
+    image_dir = storage.attach(config["image_dir"])
+    # the run folder as this node sees it (the driver's mirror, or a fresh one on another node)
+    run_folder = storage.attach(config["run"])
+    ckpt_root, log_path = run_folder / "checkpoints", run_folder / "steps.jsonl"
+    model = load_model(model_dir, dtype="float32")
+    processor = load_processor(model_dir)
     ref = None
     if cfg.beta > 0:
-        ref = load_model(config["model_dir"], dtype="float32").eval()
+        ref = load_model(model_dir, dtype="float32").eval()
         for p in ref.parameters():
             p.requires_grad_(False)
     opt_ = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr,
@@ -350,7 +429,7 @@ def train_loop(config: dict[str, Any]) -> None:
                                    grad_clip=cfg.grad_clip))
     learner = Learner(engine.module, cfg, engine=engine, ref_model=ref, temperature=config["temperature"])
     buffer, store = config["buffer"], config["store"]
-    resume = ckpt.latest(Path(config["ckpt_root"]))
+    resume = ckpt.latest(ckpt_root)
     if rank == 0 and ray.get(buffer.begin_learner.remote()) > 0:
         # a restarted worker group (FailureConfig): the buffer moved on since the checkpoint (or the
         # start), so it goes back there too; answers then in flight are refused as duplicates
@@ -362,7 +441,8 @@ def train_loop(config: dict[str, Any]) -> None:
         learner.step_count, learner.skipped = client["step"], client["skipped"]
         ckpt.restore_rng(client["rng"][rank] if rank < len(client["rng"]) else client["rng"][0])
         if rank == 0:
-            ckpt.write_probe(engine, Path(config["ckpt_root"]) / "resume_probe.json", client["version"])
+            ckpt.write_probe(engine, ckpt_root / "resume_probe.json", client["version"])
+            storage.publish(run_folder, "checkpoints/resume_probe.json")
 
     def push(version: int) -> float:
         state = hf_state_dict(engine)  # a collective under ZeRO-3: every rank calls it
@@ -374,17 +454,19 @@ def train_loop(config: dict[str, Any]) -> None:
     sync_s = push(learner.step_count)
     if rank == 0:
         record_limits(config["recorder"], cfg, config["max_staleness"])
-    log = open(config["log_path"], "a") if rank == 0 else None  # noqa: SIM115 - closed below
+    log = open(log_path, "a") if rank == 0 else None  # noqa: SIM115 - closed below
     try:
         while learner.step_count + learner.skipped < config["steps"]:
             step = learner.step_count + learner.skipped
             t_wait = time.perf_counter()
             groups = ray.get(buffer.take.remote(step))
             wait_s = time.perf_counter() - t_wait
-            mine = groups[rank::world]
-            if mine:
-                batch = rl_batch(mine, config["image_dir"], processor, cfg)
-                res = learner.step(batch)
+            share = rank_share(groups, rank, world, cfg)
+            if share is not None:
+                if any(not (image_dir / f"{sha}.png").is_file() for g in share[0] for t in g for sha in t.images):
+                    storage.refresh(image_dir)  # written by rollout actors on other nodes
+                batch = rl_batch(share[0], str(image_dir), processor, cfg)
+                res = learner.step(batch, live=share[1])
             else:  # every group of the step dropped: nothing to learn from, the step still counts
                 learner.skipped += 1
                 res = None
@@ -393,12 +475,15 @@ def train_loop(config: dict[str, Any]) -> None:
             if (step + 1) % config["ckpt_every"] == 0 or step + 1 == config["steps"]:
                 if world > 1:
                     dist.barrier()
-                ckpt.save(engine, Path(config["ckpt_root"]), step + 1, learner, buffer, processor, rank, world,
+                ckpt.save(engine, ckpt_root, step + 1, learner, buffer, processor, rank, world,
                           keep=config["keep"])
+                if rank == 0:  # a run folder that mirrors remote storage: the checkpoint and the step log go there
+                    storage.publish(run_folder, "checkpoints")
             if rank == 0:
                 row = step_row(step, groups, res, wait_s, sync_s, ray.get(buffer.stats.remote()))
                 log.write(json.dumps(row) + "\n")
                 log.flush()
+                storage.publish(run_folder, "steps.jsonl")
                 record_metrics(config["recorder"], row, config["steps"])
     finally:
         if log is not None:

@@ -108,16 +108,27 @@ class LossOutput:
     mask_coverage: torch.Tensor  # share of generated tokens that receive gradient
 
 
-def _aggregate(x: torch.Tensor, mask: torch.Tensor, weight: torch.Tensor, how: str) -> torch.Tensor:
+def loss_divisor(mask: torch.Tensor, weight: torch.Tensor, how: str) -> torch.Tensor:
+    """What a batch contributes to the divisor of ``_aggregate``: its rows (the sequence
+    aggregations) or its weighted trained tokens (``token_mean``). A learner split over ranks sums
+    this over every rank, so that each rank's share of the loss is over the *global* divisor."""
+    if how == "token_mean":
+        return (mask * weight.unsqueeze(1)).sum()
+    return torch.tensor(float(mask.shape[0]))
+
+
+def _aggregate(x: torch.Tensor, mask: torch.Tensor, weight: torch.Tensor, how: str,
+               divisor: torch.Tensor | None = None) -> torch.Tensor:
     """Reduce a (B, T) per-token quantity to a scalar; an all-masked trajectory contributes 0.
 
     The divisor of the sequence aggregations is B (1/G per group, averaged over
     equal-sized groups), *not* the number of surviving trajectories: dropping or
-    fully masking a trajectory must not scale up the others' gradients.
+    fully masking a trajectory must not scale up the others' gradients. ``divisor``
+    replaces the batch's own (``loss_divisor``) when the batch is one rank's share of a step.
     """
+    div = (loss_divisor(mask, weight, how) if divisor is None else divisor).clamp(min=1.0)
     if how == "token_mean":
-        w = mask * weight.unsqueeze(1)
-        return (x * w).sum() / w.sum().clamp(min=1.0)
+        return (x * mask * weight.unsqueeze(1)).sum() / div
     tok_sum = (x * mask).sum(dim=1)
     if how == "seq_mean_token_mean":
         per_traj = tok_sum / mask.sum(dim=1).clamp(min=1.0)
@@ -125,28 +136,30 @@ def _aggregate(x: torch.Tensor, mask: torch.Tensor, weight: torch.Tensor, how: s
         per_traj = tok_sum
     else:
         raise ValueError(f"aggregation must be one of {AGGREGATIONS}, got {how!r}")
-    return (per_traj * weight).sum() / x.shape[0]
+    return (per_traj * weight).sum() / div
 
 
 def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor,
                 weight: torch.Tensor | None = None, *, eps_low: float = 0.2, eps_high: float = 0.28,
                 ref_logp: torch.Tensor | None = None, beta: float = 0.0,
-                aggregation: str = "seq_mean_token_mean", gen_mask: torch.Tensor | None = None) -> LossOutput:
+                aggregation: str = "seq_mean_token_mean", gen_mask: torch.Tensor | None = None,
+                divisor: torch.Tensor | None = None) -> LossOutput:
     """The clipped surrogate (to *minimise*: the negative of J) with optional k3 KL.
 
     logp: (B, T) current policy log-probs of the taken tokens; old_logp: the
     behaviour log-probs recorded at rollout (the importance ratio uses them, not a
     recomputation); adv: (B,); mask: (B, T) the training mask M; weight: (B,) loss
-    weight from ``apply_mode`` (zeros drop a trajectory).
+    weight from ``apply_mode`` (zeros drop a trajectory); divisor: the global one of a
+    step split over ranks (``loss_divisor`` summed over them), else the batch's own.
     """
     mask = mask.to(torch.float32)
     weight = torch.ones_like(adv) if weight is None else weight
     ratio = torch.exp(logp - old_logp)
     a = adv.unsqueeze(1)
     surr = torch.minimum(ratio * a, ratio.clamp(1.0 - eps_low, 1.0 + eps_high) * a)
-    pg = -_aggregate(surr, mask, weight, aggregation)
+    pg = -_aggregate(surr, mask, weight, aggregation, divisor)
     if ref_logp is not None and beta > 0:
-        kl = _aggregate(kl_k3(logp, ref_logp), mask, weight, aggregation)
+        kl = _aggregate(kl_k3(logp, ref_logp), mask, weight, aggregation, divisor)
     else:
         kl = torch.zeros((), dtype=logp.dtype)
     clipped = ((ratio < 1.0 - eps_low) | (ratio > 1.0 + eps_high)).to(torch.float32)

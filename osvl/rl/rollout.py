@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from osvl import storage
 from osvl.config import opt
 
 
@@ -41,6 +42,11 @@ class RolloutConfig:
 
     num_actors: int = opt(1, "Rollout actors (each holds one engine).", hashed=False)
     cpus_per_actor: float = opt(1.0, "CPUs reserved per rollout actor.", hashed=False)
+    num_gpus: float = opt(0.0, "GPUs per rollout actor and held-out evaluation engine (fractions share one).",
+                          hashed=False)
+    role_units: float = opt(0.0, "Units of the 'rollout' custom resource (osvl.cluster.ROLE_RESOURCES, declared on "
+                                 "rollout nodes by cluster.yaml and deploy/) each rollout actor and evaluation "
+                                 "engine requests; 0 = none.", hashed=False)
     engine: str = opt("hf", "Token engine: hf (transformers generate) or vllm.")
     max_batch: int = opt(32, "Most turns the engine batches into one generate call.", hashed=False)
     groups_in_flight: int = opt(2, "Groups each actor works on concurrently (x G episodes in flight).",
@@ -118,9 +124,10 @@ class RolloutWorker:
         self.id, self.cfg, self.G = actor_id, cfg, group_size
         self.buffer, self.store = buffer, store
         self.questions = questions
-        self.question_image_dir, self.image_dir = Path(question_image_dir), Path(image_dir)
+        # locations (osvl.storage): this actor may run on a node that holds no copy of the folders
+        self.question_image_dir, self.image_dir = storage.attach(question_image_dir), storage.attach(image_dir)
         self.image_dir.mkdir(parents=True, exist_ok=True)
-        self.engine = make_engine(cfg.engine, model_dir, max_batch=cfg.max_batch, version=-1)
+        self.engine = make_engine(cfg.engine, str(storage.attach(model_dir)), max_batch=cfg.max_batch, version=-1)
         self.processor = self.engine.processor
         self.tools = offered_tools(cfg.offer, cfg.schemas)
         self.rec = recorder
@@ -230,6 +237,7 @@ class RolloutWorker:
                 tmp = path.with_suffix(f".{self.id}.tmp")
                 tmp.write_bytes(png_bytes(arrays[sha]))
                 tmp.replace(path)
+        storage.publish(self.image_dir, *(f"{sha}.png" for sha in traj.images))  # for a learner on another node
 
     async def _group_worker(self) -> None:
         while True:
@@ -324,6 +332,20 @@ async def _eval_episodes(model_dir: str, questions: list[dict[str, Any]], image_
 
 def pass_at_1(model_dir: str | Path, questions: list[dict[str, Any]], image_dir: str | Path, cfg: RolloutConfig,
               concurrency: int = 16) -> float:
-    """Greedy Pass@1 (rule judge r_acc) of ``model_dir`` on ``questions``, with the same budgets as the rollouts."""
-    scores = asyncio.run(_eval_episodes(str(model_dir), questions, str(image_dir), cfg, concurrency))
-    return sum(scores) / max(1, len(scores))
+    """Greedy Pass@1 (rule judge r_acc) of ``model_dir`` on ``questions``, with the same budgets as the rollouts.
+
+    The engine runs in a Ray task with the rollout actors' resources (a GPU node in production),
+    never in the driver, which runs on the CPU-only head.
+    """
+    import ray
+
+    from osvl.cluster import role_resources
+
+    def evaluate(model: str, images: str) -> float:
+        scores = asyncio.run(_eval_episodes(str(storage.attach(model)), questions, str(storage.attach(images)), cfg,
+                                            concurrency))
+        return sum(scores) / max(1, len(scores))
+
+    task = ray.remote(evaluate).options(name="heldout_eval", num_cpus=cfg.cpus_per_actor, num_gpus=cfg.num_gpus,
+                                        resources=role_resources("rollout", cfg.role_units), max_retries=1)
+    return ray.get(task.remote(storage.location(model_dir), storage.location(image_dir)))

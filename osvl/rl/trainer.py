@@ -27,10 +27,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from osvl import storage
 from osvl.config import RunConfig, opt
 from osvl.rl.learner import RLConfig
 from osvl.rl.loss import MODES
 from osvl.rl.rollout import RolloutConfig
+from osvl.storage import publish
 
 JOB = "grpo"
 
@@ -40,6 +42,9 @@ class LearnerConfig:
     """The learner's Ray Train workers."""
 
     num_workers: int = opt(1, "Ray Train learner workers (data parallel over whole groups).", hashed=False)
+    role_units: float = opt(0.0, "Units of the 'learner' custom resource (osvl.cluster.ROLE_RESOURCES, declared on "
+                                 "learner nodes by cluster.yaml and deploy/) each learner worker requests; 0 = none.",
+                            hashed=False)
     threads_per_worker: int = opt(1, "CPUs (and torch threads) per learner worker.", hashed=False)
     zero_stage: int = opt(2, "DeepSpeed ZeRO stage (0-3).", hashed=False)
     use_gpu: bool = opt(False, "Learner workers on GPUs (NCCL, one GPU each).", hashed=False)
@@ -140,6 +145,16 @@ class Monitor(threading.Thread):
                     self.print_row(json.loads(line))
 
 
+def start_cluster(rc: RolloutConfig, lc: LearnerConfig) -> None:
+    """Join ``$RAY_ADDRESS`` or start a local cluster sized for the run: what the actors and workers
+    reserve, plus one for Ray Train's controller (on a 2-core machine the demo asks for 3 logical
+    CPUs: the cores are shared, not oversubscribed by much)."""
+    from osvl.cluster import init_ray
+
+    need = int(rc.num_actors * rc.cpus_per_actor + lc.num_workers * lc.threads_per_worker) + 1
+    init_ray(num_cpus=max(need, os.cpu_count() or 1))
+
+
 def train(parts: GRPOParts, model_dir: str | Path, questions: list[dict[str, Any]], question_image_dir: str | Path,
           out: Path, log: Callable[[str], None] = print, print_row: Callable[[dict], None] | None = None,
           actor_prefix: str = "") -> dict[str, Any]:
@@ -149,8 +164,9 @@ def train(parts: GRPOParts, model_dir: str | Path, questions: list[dict[str, Any
     ``<prefix>rollout0``, ... (``ray.get_actor``), for inspection and fault injection.
     """
     import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    from osvl.cluster import init_ray
+    from osvl.cluster import role_resources
     from osvl.metrics import Recorder
     from osvl.rl import checkpoint as ckpt
     from osvl.rl.buffer import TrajectoryBuffer
@@ -161,17 +177,17 @@ def train(parts: GRPOParts, model_dir: str | Path, questions: list[dict[str, Any
 
     check_transport(parts.learner.weights)
     tc, rc = parts.train, parts.rollout
-    # what the actors and workers reserve, plus one for Ray Train's controller: on a 2-core
-    # machine the demo asks for 3 logical CPUs (the cores are shared, not oversubscribed by much)
-    need = int(rc.num_actors * rc.cpus_per_actor + parts.learner.num_workers * parts.learner.threads_per_worker) + 1
-    init_ray(num_cpus=max(need, os.cpu_count() or 1))
+    start_cluster(parts.rollout, parts.learner)
     ckpt_root = out / "checkpoints"
     ckpt_root.mkdir(parents=True, exist_ok=True)
     image_dir = out / "images"
     log_path = out / "steps.jsonl"
     resume = ckpt.latest(ckpt_root)
     named = (lambda n: {"name": actor_prefix + n}) if actor_prefix else (lambda n: {})  # noqa: E731
-    buffer = ray.remote(TrajectoryBuffer).options(num_cpus=0, **named("buffer")).remote(
+    # the buffer and the weight store live on the driver's node (the head in production): losing a
+    # worker node must not take the run's ledger with it, and losing the driver ends the run anyway
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+    buffer = ray.remote(TrajectoryBuffer).options(num_cpus=0, scheduling_strategy=here, **named("buffer")).remote(
         len(questions), tc.groups_per_step, tc.steps, tc.max_staleness, parts.run.seed, tc.max_attempts)
     if resume is not None:
         ray.get(buffer.load_state.remote(ckpt.load_buffer_state(resume), tc.steps))
@@ -179,23 +195,31 @@ def train(parts: GRPOParts, model_dir: str | Path, questions: list[dict[str, Any
         model_dir = resume / "hf"  # the actors start from the checkpoint's policy (the learner republishes it)
     elif log_path.exists():
         log_path.unlink()  # a fresh run: no stale rows from a run that died before its first checkpoint
-    store = ray.remote(WeightStore).options(num_cpus=0).remote()
+    store = ray.remote(WeightStore).options(num_cpus=0, scheduling_strategy=here).remote()
     questions_ref = ray.put(questions)
     rec = Recorder(JOB, out.name)  # every series of this run: osvl_job="grpo", run=<run folder name>
 
+    image_dir.mkdir(parents=True, exist_ok=True)
+    # locations, not paths (osvl.storage): actors and learner workers may run on other nodes
+    where = {"model": storage.location(model_dir), "questions": storage.location(question_image_dir),
+             "images": storage.location(image_dir)}
+
     def make_actor(name: str) -> Any:
-        return ray.remote(RolloutWorker).options(num_cpus=rc.cpus_per_actor, max_restarts=0, **named(name)).remote(
-            name, rc, str(model_dir), questions_ref, str(question_image_dir), str(image_dir), buffer, store,
+        return ray.remote(RolloutWorker).options(
+            num_cpus=rc.cpus_per_actor, num_gpus=rc.num_gpus, resources=role_resources("rollout", rc.role_units),
+            scheduling_strategy="SPREAD",  # over the rollout nodes: losing one node loses the fewest actors
+            max_restarts=0, **named(name)).remote(
+            name, rc, where["model"], questions_ref, where["questions"], where["images"], buffer, store,
             parts.rl.group_size, parts.rl.mask_at, rec)
 
     actors = {f"rollout{i}": make_actor(f"rollout{i}") for i in range(rc.num_actors)}
     monitor = Monitor(make_actor, buffer, actors, log_path, print_row or (lambda row: None), tc.max_actor_restarts,
                       log, rec)
     monitor.start()
-    loop_config = {"rl": parts.rl, "model_dir": str(model_dir), "image_dir": str(image_dir), "buffer": buffer,
-                   "store": store, "steps": tc.steps, "resume": str(resume or ""), "ckpt_root": str(ckpt_root),
+    loop_config = {"rl": parts.rl, "model_dir": where["model"], "image_dir": where["images"], "buffer": buffer,
+                   "store": store, "steps": tc.steps, "run": storage.location(out),
                    "ckpt_every": tc.ckpt_every, "keep": tc.keep, "zero_stage": parts.learner.zero_stage,
-                   "threads": parts.learner.threads_per_worker, "log_path": str(log_path),
+                   "threads": parts.learner.threads_per_worker,
                    "weights_every": tc.weights_every, "seed": parts.run.seed,
                    "temperature": parts.rollout.temperature, "recorder": rec,
                    "max_staleness": tc.max_staleness}
@@ -203,12 +227,14 @@ def train(parts: GRPOParts, model_dir: str | Path, questions: list[dict[str, Any
     try:
         trainer = make_trainer(train_loop, loop_config, num_workers=parts.learner.num_workers,
                                threads_per_worker=parts.learner.threads_per_worker, use_gpu=parts.learner.use_gpu,
-                               storage=out / "ray_train", name="learner", keep=1,
-                               max_failures=parts.learner.max_failures)
+                               storage=out, name="ray_train", keep=1,
+                               max_failures=parts.learner.max_failures,
+                               resources=role_resources("learner", parts.learner.role_units))
         trainer.fit()
     finally:
         monitor.stop.set()
         monitor.join(timeout=30)
+    storage.refresh(out)  # checkpoints and the step log from learner ranks on other nodes
     seconds = time.perf_counter() - t0
     stats = ray.get(buffer.stats.remote())
     ledger = ray.get(buffer.ledger.remote())
@@ -224,6 +250,7 @@ def train(parts: GRPOParts, model_dir: str | Path, questions: list[dict[str, Any
                "actors": actor_stats, "rows": rows, "resumed_from": resume.name if resume else "",
                "checkpoint": str(ckpt.latest(ckpt_root) or "")}
     (out / "summary.json").write_text(json.dumps({k: v for k, v in summary.items() if k != "rows"}, default=str))
+    publish(out)
     return summary
 
 
@@ -301,7 +328,7 @@ def prepare(cfg: GRPOConfig, log: Callable[[str], None] = print) -> tuple[Path, 
 
     done = run_dir(scfg, sft.JOB) / "report.json"
     if done.is_file():
-        model = Path(json.loads(done.read_text())["model"])
+        model = done.parent / "model"  # not the report's absolute path: the folder may be another node's mirror
         log(f"sft: reusing {model}")
         return qdir, model.resolve()
     return qdir, Path(sft.run(scfg, log=log)["model"]).resolve()
@@ -365,13 +392,19 @@ def run(cfg: GRPOConfig, log: Callable[[str], None] = print) -> dict[str, Any]:
         questions = questions[:cfg.max_questions]
     heldout = sorted(read_questions(qdir / "heldout.parquet"), key=lambda r: r["id"])[:cfg.eval.n_heldout]
     out = run_dir(cfg, JOB).resolve()
+    start_cluster(cfg.rollout, cfg.learner)  # the evaluations run on the cluster too
     log(f"grpo: mode {cfg.rl.mode}, {cfg.train.steps} steps x {cfg.train.groups_per_step} groups x G="
         f"{cfg.rl.group_size}, max_staleness {cfg.train.max_staleness}, {len(questions)} RL questions, "
         f"policy {model} -> {out}")
     before = None
-    if heldout and not (out / "checkpoints").is_dir():
+    sft_eval = out / "pass1_sft.json"  # kept, so that a resumed run still reports it
+    if heldout and sft_eval.is_file():
+        before = json.loads(sft_eval.read_text())["pass1"]
+    elif heldout and not (out / "checkpoints").is_dir():
         before = pass_at_1(model, heldout, qdir / "images", cfg.rollout, cfg.eval.concurrency)
         log(f"grpo: held-out Pass@1 after SFT (greedy, {len(heldout)} questions): {before:.3f}")
+        sft_eval.write_text(json.dumps({"pass1": before}))
+        publish(out, sft_eval.name)
     parts = GRPOParts(run=cfg.run, rl=cfg.rl, rollout=cfg.rollout, learner=cfg.learner, train=cfg.train)
     log(HEADER)
     res = train(parts, model, questions, qdir / "images", out, log=log, print_row=lambda r: log(format_row(r)))
@@ -404,4 +437,5 @@ def run(cfg: GRPOConfig, log: Callable[[str], None] = print) -> dict[str, Any]:
     shown = ["n/a" if v is None else f"{v:.3f}" for v in (before, after)]
     log(f"  held-out Pass@1 ({len(heldout)} questions, greedy): after SFT {shown[0]}, after GRPO {shown[1]}")
     (out / "report.json").write_text(json.dumps(summary, indent=1, default=str))
+    publish(out)
     return summary

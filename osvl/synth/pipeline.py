@@ -45,6 +45,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from osvl import storage
 from osvl.config import RunConfig, config_hash, from_dict, opt, run_dir, to_dict
 from osvl.errors import ConfigError
 from osvl.synth.degrade import UNDO_TOOL, degrade
@@ -103,6 +104,8 @@ class SynthConfig:
     min_grounding_score: float = opt(0.0, "Use only anchors scoring at least this.")
     num_shards: int = opt(16, "Shards (groups of seeds); the unit of parallelism and of resume.")
     workers: int = opt(2, "Ray Data actors synthesizing shards in parallel.", hashed=False)
+    role_units: float = opt(0.0, "Units of the 'data' custom resource (osvl.cluster.ROLE_RESOURCES, declared on data "
+                                 "nodes by cluster.yaml and deploy/) each worker requests; 0 = none.", hashed=False)
     split_fractions: list[float] = opt([0.6, 0.3, 0.1], "sft/rl/heldout share of seeds (so of questions).")
     entity_split_fractions: list[float] = opt(
         [0.5, 0.3, 0.2], "sft/rl/heldout share of non-seed entities; small splits get a little more room "
@@ -332,7 +335,7 @@ class ShardWorker:
         self.cfg = from_dict(SynthConfig, cfg)
         self.graph = Graph.load(self.cfg.kg_dir or None, max_answer_words=self.cfg.walk.max_answer_words)
         self.shards, self.split_of = plan(self.graph, self.cfg)
-        self.out = Path(out_dir)
+        self.out = storage.attach(out_dir)  # the run folder's location: this node may hold no copy yet
         self.images = ImageStore(self.graph, self.out / "images")
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -345,6 +348,8 @@ class ShardWorker:
                 counts["graph_bad_rows"] = Counter(self.graph.bad)
             commit_shard(self.out / "shards", shard, rows, counts)
             record_counts(self.out.name, {"seeds": len(self.shards[shard]), "questions": len(rows)}, counts)
+            # the shard's parquet is its "done" marker: published last
+            storage.publish(self.out, "images", f"shards/shard-{shard:05d}.json", f"shards/shard-{shard:05d}.parquet")
             done.append(shard)
             sizes.append(len(rows))
             secs.append(time.perf_counter() - t0)
@@ -564,7 +569,7 @@ def run(cfg: SynthConfig, *, log: Any = print) -> tuple[Path, dict[str, Any]]:
     """Synthesize (resuming committed shards), finalize; returns the run folder and the data card."""
     import ray
 
-    from osvl.cluster import init_ray
+    from osvl.cluster import init_ray, role_resources
 
     validate(cfg)
     t0 = time.perf_counter()
@@ -582,14 +587,16 @@ def run(cfg: SynthConfig, *, log: Any = print) -> tuple[Path, dict[str, Any]]:
     if todo:
         init_ray()
         ds = ray.data.from_items([{"shard": k} for k in todo], override_num_blocks=len(todo))
-        ds = ds.map_batches(ShardWorker, fn_constructor_kwargs={"cfg": to_dict(cfg), "out_dir": str(out)},
-                            batch_size=1, num_cpus=1,
+        ds = ds.map_batches(ShardWorker, fn_constructor_kwargs={"cfg": to_dict(cfg), "out_dir": storage.location(out)},
+                            batch_size=1, num_cpus=1, resources=role_resources("data", cfg.role_units),
                             compute=ray.data.ActorPoolStrategy(size=min(cfg.workers, len(todo))))
         finished = cfg.num_shards - len(todo)
         for row in ds.iter_rows():
             finished += 1
             log(f"  shard {int(row['shard']):5d} done: {int(row['questions'])} questions in "
                 f"{float(row['seconds']):.1f} s ({finished}/{cfg.num_shards})")
+        storage.refresh(out)  # shards the workers on other nodes published
     card = finalize(cfg, out, cfg.num_shards, time.perf_counter() - t0, n_seeds)
+    storage.publish(out)
     log(f"synthesize: {card['questions']} questions {card['splits']} in {card['seconds']} s -> {out}")
     return out, card

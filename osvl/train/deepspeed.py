@@ -127,23 +127,31 @@ def load_checkpoint(engine, folder: Path) -> dict:
 
 def make_trainer(train_fn: Callable[[dict], None], loop_config: dict, *, num_workers: int,
                  threads_per_worker: int, use_gpu: bool, storage: Path | str, name: str,
-                 keep: int, max_failures: int):
+                 keep: int, max_failures: int, resources: dict[str, float] | None = None):
     """A ``TorchTrainer`` running ``train_fn`` on ``num_workers`` workers (gloo on CPU, NCCL on GPU).
 
-    Each worker reserves ``threads_per_worker`` CPUs; the loop should ``torch.set_num_threads``
-    to the same number so that workers do not oversubscribe the cores. Rerunning with the same
-    ``storage`` and ``name`` resumes from the latest of the ``keep`` checkpoints.
+    Each worker reserves ``threads_per_worker`` CPUs (plus ``resources``, e.g. its role's custom
+    resource); the loop should ``torch.set_num_threads`` to the same number so that workers do not
+    oversubscribe the cores. Rerunning with the same
+    ``storage`` and ``name`` resumes from the latest of the ``keep`` checkpoints. ``storage`` is a run
+    folder; when it mirrors remote storage (``osvl.storage``) the checkpoints go straight there, from
+    every node (Ray Train refuses a local ``storage_path`` once its workers span nodes).
     """
     import ray.train
     from ray.train.torch import TorchConfig, TorchTrainer
+
+    from osvl.storage import train_storage
+
+    storage_path, storage_fs = train_storage(storage)
 
     return TorchTrainer(
         train_fn,
         train_loop_config=loop_config,
         torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),
         scaling_config=ray.train.ScalingConfig(num_workers=num_workers, use_gpu=use_gpu,
-                                               resources_per_worker={"CPU": threads_per_worker}),
-        run_config=ray.train.RunConfig(name=name, storage_path=str(storage),
+                                               resources_per_worker={"CPU": threads_per_worker,
+                                                                     **(resources or {})}),
+        run_config=ray.train.RunConfig(name=name, storage_path=storage_path, storage_filesystem=storage_fs,
                                        checkpoint_config=ray.train.CheckpointConfig(num_to_keep=keep),
                                        failure_config=ray.train.FailureConfig(max_failures=max_failures)),
     )

@@ -138,7 +138,13 @@ def load_split(files: list[Path], val_fraction: float, val: bool):
     ctx = ray.data.DataContext.get_current()
     ctx.execution_options.preserve_order = True
     ctx.enable_progress_bars = False  # the job prints its own progress line
-    ds = ray.data.read_parquet([str(f) for f in files], columns=COLUMNS, override_num_blocks=len(files))
+    from osvl import storage
+
+    # read tasks run on any node: files in a mirror are read from the storage it mirrors
+    where = [storage.location(f) for f in files]
+    fs = storage.open_root(where[0])[0] if storage.is_remote(where[0]) else None
+    paths = [storage.open_root(w)[1] for w in where] if fs is not None else [str(f) for f in files]
+    ds = ray.data.read_parquet(paths, filesystem=fs, columns=COLUMNS, override_num_blocks=len(files))
     return ds.filter(lambda r: is_val(r["question_id"], val_fraction) == val).materialize()
 
 
@@ -232,7 +238,10 @@ def train_loop(config: dict) -> None:
     from osvl.train.deepspeed import ds_config, init_engine, load_checkpoint, save_checkpoint
 
     cfg: SftConfig = config["cfg"]
-    train_ds, val_ds, image_dir = config["train_ds"], config["val_ds"], Path(config["image_dir"])
+    from osvl import storage
+
+    # a location (osvl.storage): this node may hold no copy of the images yet
+    train_ds, val_ds, image_dir = config["train_ds"], config["val_ds"], storage.attach(config["image_dir"])
     total, val_rows, log_file = config["total_steps"], config["val_rows"], Path(config["log_file"])
     torch.set_num_threads(cfg.threads_per_worker)
     ctx = ray.train.get_context()
@@ -401,6 +410,8 @@ def run(cfg: SftConfig, *, log: Any = print) -> dict[str, Any]:
     from osvl.cluster import init_ray
     from osvl.config import run_dir, to_dict
     from osvl.models.tiny import tiny_checkpoint
+    from osvl.storage import location as storage_location
+    from osvl.storage import publish
     from osvl.train.deepspeed import HF_SUBDIR, make_trainer
 
     if cfg.zero_stage not in (2, 3):
@@ -417,7 +428,8 @@ def run(cfg: SftConfig, *, log: Any = print) -> dict[str, Any]:
     log_file = out / "train_log.jsonl"
     trainer = make_trainer(
         train_loop, {"cfg": cfg, "train_ds": load_split(files, cfg.data.val_fraction, False),
-                     "val_ds": load_split(files, cfg.data.val_fraction, True), "image_dir": str(image_dir),
+                     "val_ds": load_split(files, cfg.data.val_fraction, True),
+                     "image_dir": storage_location(image_dir),
                      "model_dir": model_dir, "total_steps": steps, "train_rows": n_train, "val_rows": n_val,
                      "log_file": str(log_file)},
         num_workers=cfg.num_workers, threads_per_worker=cfg.threads_per_worker, use_gpu=cfg.use_gpu,
@@ -454,4 +466,5 @@ def run(cfg: SftConfig, *, log: Any = print) -> dict[str, Any]:
             log(f"sft: greedy first turns that parse on {cfg.data.n_eval} held-out questions: "
                 f"{before:.0%} before -> {after:.0%} after")
     (out / "report.json").write_text(json.dumps(report, indent=1))
+    publish(out)  # the report last: it says the model is complete
     return report

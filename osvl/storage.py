@@ -1,0 +1,259 @@
+"""The one storage layer: a run root is a local folder or a URI (``s3://``, ``gs://``, ``file://``).
+
+Why: once a job runs on more than one node (``ray job submit --working-dir .``), a local
+path names a different disk on every node, and Ray's working-dir cache on whichever node
+ran the driver. What a later stage, a resumed run or another node reads must live in
+storage every node reaches; node-local folders can only be caches.
+
+How, with the least machinery: every job keeps writing into an ordinary local folder
+(``config.run_dir``). When the run root is a URI, that folder is a node-local *mirror*
+of ``<root>/<job>/<config hash>/`` under ``$OSVL_CACHE/storage/``: ``run_dir`` pulls the
+remote folder into it first (so a resumed run finds its finished shards, checkpoints and
+reports), and the job ``publish``-es the folder back after each finished piece of work.
+Deleting the mirror loses nothing that was published. Ray Train's checkpoints go straight
+to the remote folder through ``train_storage`` (``RunConfig(storage_path=...,
+storage_filesystem=...)``), since Ray Train refuses a local ``storage_path`` once its
+workers span nodes.
+
+Everything goes through ``pyarrow.fs``, the filesystem layer Ray Train and Ray Data use:
+credentials and endpoints come from each filesystem's standard environment and config
+(``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY`` or ``AWS_PROFILE``, ``AWS_ENDPOINT_URL``
+for S3-compatible stores; ``GOOGLE_APPLICATION_CREDENTIALS`` for GCS). A root is checked
+once, at start (``open_root``): an unknown scheme, an unreachable endpoint, missing
+credentials or a missing bucket fail with one line naming the setting, before anything
+is written.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+from osvl.errors import StorageError
+
+SCHEMES = ("file", "s3", "gs")
+MARKER = ".osvl-remote"  # in a mirror folder: the URI it mirrors
+SYNCED = ".osvl-synced.json"  # in a mirror folder: each file's size and mtime at its last pull or publish
+
+
+def is_uri(root: str) -> bool:
+    """True for ``scheme://...``; a plain path (relative or absolute) is not a URI."""
+    return "://" in str(root)
+
+
+def is_remote(root: str) -> bool:
+    """True when ``root`` names storage other than this node's disk."""
+    return is_uri(root) and urlparse(str(root)).scheme != "file"
+
+
+def join(root: str, *parts: str) -> str:
+    """``root/part/...`` for a path or a URI."""
+    return "/".join([str(root).rstrip("/"), *(p.strip("/") for p in parts)])
+
+
+def _credentials_missing_s3() -> bool:
+    """No AWS credentials anywhere the SDK looks, with the metadata service switched off."""
+    if os.environ.get("AWS_ACCESS_KEY_ID") and os.environ.get("AWS_SECRET_ACCESS_KEY"):
+        return False
+    if any(os.environ.get(k) for k in ("AWS_PROFILE", "AWS_WEB_IDENTITY_TOKEN_FILE", "AWS_ROLE_ARN",
+                                       "AWS_CONTAINER_CREDENTIALS_FULL_URI",
+                                       "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI")):
+        return False
+    files = [os.environ.get("AWS_SHARED_CREDENTIALS_FILE", "~/.aws/credentials"),
+             os.environ.get("AWS_CONFIG_FILE", "~/.aws/config")]
+    if any(Path(f).expanduser().is_file() for f in files):
+        return False
+    return os.environ.get("AWS_EC2_METADATA_DISABLED", "").lower() == "true"
+
+
+def _s3(setting: str, uri: str) -> Any:
+    import pyarrow.fs as pafs
+
+    if _credentials_missing_s3():
+        raise StorageError(f"{setting}={uri}: no S3 credentials (set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, "
+                           "or AWS_PROFILE)")
+    endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or ""
+    kwargs: dict[str, Any] = {"connect_timeout": 5.0, "request_timeout": 30.0,
+                              "region": os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
+                              or "us-east-1",
+                              "retry_strategy": pafs.AwsStandardS3RetryStrategy(max_attempts=3)}
+    if endpoint:
+        ep = urlparse(endpoint if "://" in endpoint else f"https://{endpoint}")
+        kwargs.update(endpoint_override=ep.netloc, scheme=ep.scheme)
+    return pafs.S3FileSystem(**kwargs)
+
+
+@functools.cache
+def _open(uri: str, setting: str) -> tuple[Any, str]:
+    import pyarrow.fs as pafs
+
+    if not is_uri(uri):
+        return pafs.LocalFileSystem(), str(Path(uri).resolve())
+    parsed = urlparse(uri)
+    if parsed.scheme not in SCHEMES:
+        raise StorageError(f"{setting}={uri}: unknown scheme {parsed.scheme!r}; use a local path or one of "
+                           + ", ".join(f"{s}://" for s in SCHEMES))
+    if parsed.scheme == "file":
+        return pafs.LocalFileSystem(), parsed.path
+    if not parsed.netloc:
+        raise StorageError(f"{setting}={uri}: no bucket in the URI ({parsed.scheme}://BUCKET/PATH)")
+    fs = _s3(setting, uri) if parsed.scheme == "s3" else pafs.GcsFileSystem()
+    path = f"{parsed.netloc}{parsed.path}".rstrip("/")
+    try:
+        info = fs.get_file_info(parsed.netloc)  # the bucket: reachable, credentials accepted, it exists
+    except OSError as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise StorageError(f"{setting}={uri}: storage not reachable or credentials refused ({first})") from None
+    if info.type.name == "NotFound":
+        raise StorageError(f"{setting}={uri}: bucket {parsed.netloc!r} does not exist")
+    return fs, path
+
+
+def open_root(root: str, setting: str = "run.root") -> tuple[Any, str]:
+    """``(pyarrow filesystem, path inside it)`` for a local path or URI, checked once per process.
+
+    Raises ``StorageError`` (one line naming ``setting``) for an unknown scheme, an
+    unreachable endpoint, missing or refused credentials, or a missing bucket.
+    """
+    return _open(str(root).rstrip("/") if is_uri(root) else str(root), setting)
+
+
+def mirror_dir(uri: str) -> Path:
+    """The node-local cache folder that mirrors the remote folder ``uri`` (a cache: deleting it loses
+    nothing published), under ``$OSVL_STORAGE_CACHE`` (default ``$OSVL_CACHE/storage``)."""
+    from osvl.models.tiny import cache_root
+
+    parent, _, name = uri.rstrip("/").rpartition("/")
+    # keyed by the parent's URI, named like the remote folder (code may read a run folder's name)
+    base = Path(os.environ.get("OSVL_STORAGE_CACHE") or cache_root() / "storage")
+    return base / hashlib.sha256(parent.encode()).hexdigest()[:16] / name
+
+
+def _synced(local: Path) -> dict[str, list[int]]:
+    """The mirror's record of each file as it was at its last pull or publish: ``rel -> [size, mtime_ns]``."""
+    import json
+
+    f = local / SYNCED
+    return json.loads(f.read_text()) if f.is_file() else {}
+
+
+def _save_synced(local: Path, synced: dict[str, list[int]]) -> None:
+    """Atomically: actors on one node share a mirror (a lost entry only costs a re-upload)."""
+    import json
+
+    tmp = local / f"{SYNCED}.{os.getpid()}.tmp"
+    tmp.write_text(json.dumps(synced))
+    os.replace(tmp, local / SYNCED)
+
+
+def _stat(f: Path) -> list[int]:
+    st = f.stat()
+    return [st.st_size, st.st_mtime_ns]
+
+
+def pull(uri: str, local: Path) -> bool:
+    """Copy the remote folder ``uri`` into ``local``, skipping files already pulled unchanged; False
+    when nothing is stored at ``uri`` yet."""
+    import pyarrow.fs as pafs
+
+    fs, path = open_root(uri)
+    if fs.get_file_info(path).type.name == "NotFound":
+        return False
+    local.mkdir(parents=True, exist_ok=True)
+    synced = _synced(local)
+    for info in fs.get_file_info(pafs.FileSelector(path, recursive=True)):
+        if info.type.name != "File":
+            continue
+        rel = info.path[len(path):].lstrip("/")
+        dst = local / rel
+        remote_ns = int(info.mtime_ns or 0)
+        if dst.is_file() and synced.get(rel) == _stat(dst) and synced.get("@" + rel) == [info.size, remote_ns]:
+            continue
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        with fs.open_input_stream(info.path) as src, open(dst, "wb") as out:
+            out.write(src.read())
+        synced[rel], synced["@" + rel] = _stat(dst), [info.size, remote_ns]
+    _save_synced(local, synced)
+    return True
+
+
+def mirror(uri: str) -> Path:
+    """The local mirror of ``uri``, filled from storage and marked with the URI it publishes to."""
+    local = mirror_dir(uri)
+    pull(uri, local)
+    local.mkdir(parents=True, exist_ok=True)
+    (local / MARKER).write_text(uri)
+    return local
+
+
+def attach(where: str | Path) -> Path:
+    """The local folder for a ``location``: the (filled) mirror of a remote URI, else the path itself.
+    Ray tasks and actors get a folder's location, not its path, because they may run on a node
+    where the driver's mirror does not exist."""
+    where = str(where)
+    if is_remote(where):
+        return mirror(where)
+    return Path(where.removeprefix("file://"))
+
+
+def refresh(folder: Path) -> None:
+    """Pull into a mirror what other nodes published to its storage since (no-op for a local folder)."""
+    uri = location(folder)
+    if uri != str(folder):
+        pull(uri, folder)
+
+
+def location(folder: Path | str) -> str:
+    """Where ``folder``'s contents live: its URI when it is (inside) a mirror, else the folder itself."""
+    p = Path(folder)
+    for top in (p, *p.parents):
+        if (top / MARKER).is_file():
+            uri = (top / MARKER).read_text().strip()
+            return join(uri, p.relative_to(top).as_posix()) if top != p else uri
+    return str(folder)
+
+
+def publish(folder: Path | str, *subpaths: str) -> None:
+    """Upload what changed in a mirror folder (or in ``subpaths`` of it) to the storage it mirrors;
+    a no-op for a local run.
+
+    An object store writes each file whole (at close), so a reader sees the old or the new
+    version of a file, never half of one; jobs publish a "finished" marker (report, shard
+    record) only after the data it vouches for.
+    """
+    import pyarrow.fs as pafs
+
+    folder = Path(folder)
+    uri = location(folder)
+    if uri == str(folder):
+        return
+    fs, path = open_root(uri)
+    synced = _synced(folder)
+    sources = [folder / s for s in subpaths] if subpaths else [folder]
+    for src in sources:
+        files = [src] if src.is_file() else sorted(p for p in src.rglob("*") if p.is_file())
+        for f in files:
+            rel = f.relative_to(folder).as_posix()
+            # files being written (``*.tmp``, or inside a ``*.tmp`` folder) are never uploaded
+            if f.name in (MARKER, SYNCED) or any(p.endswith(".tmp") for p in rel.split("/")) \
+                    or synced.get(rel) == _stat(f):
+                continue
+            pafs.copy_files(str(f), f"{path}/{rel}", source_filesystem=pafs.LocalFileSystem(),
+                            destination_filesystem=fs)
+            info = fs.get_file_info(f"{path}/{rel}")  # so that a later pull knows this copy is current
+            synced[rel], synced["@" + rel] = _stat(f), [info.size, int(info.mtime_ns or 0)]
+    _save_synced(folder, synced)
+
+
+def train_storage(folder: Path | str) -> tuple[str, Any]:
+    """``(storage_path, storage_filesystem)`` for Ray Train's ``RunConfig``: the remote folder a mirror
+    publishes to (checkpoints go there directly, from every node), else the local folder."""
+    uri = location(folder)
+    if not is_remote(uri):
+        return str(Path(uri.removeprefix("file://")).resolve()), None
+    fs, path = open_root(uri)
+    return path, fs

@@ -1,0 +1,157 @@
+"""The learner trains the same gradient whatever the split of a step's groups over its workers.
+
+Two real DeepSpeed (ZeRO-2, gloo) workers in their own processes take their shares of a step
+through ``rank_share`` / ``rl_batch`` / ``Learner.step``, exactly as ``train_loop`` does; the
+one-worker reference is the plain ``Learner`` on the whole step. Both use SGD with lr 1 and no
+clipping, so the parameter change *is* the (all-reduced) gradient. The cases are the ones that
+used to hang or mis-weight: a step with fewer groups than workers (one rank has nothing, so it
+trains a stand-in with weight 0), groups of unequal lengths, and a rank whose rows are all
+dropped for length. A hang shows as the workers' timeout.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from osvl.agent.trajectory import Trajectory
+from osvl.rl.learner import Learner, RLConfig, forward_logprobs, rank_share, rl_batch
+
+pytestmark = pytest.mark.slow  # ~40 s on 2 shared cores: two DeepSpeed workers, three steps each
+
+WORLD = 2
+
+
+def _record(g: torch.Generator, gid: int, i: int, turns: int, turn_len: int, reward: float,
+            fatal: bool) -> Trajectory:
+    """A text-only policy record of random tokens: a prompt, then ``turns`` generated turns each followed by a tool
+    answer. Gradients do not care what the tokens say."""
+    ids, gen, step = [], [], []
+    for t in range(-1, turns):
+        n = 12 if t < 0 else turn_len
+        ids += torch.randint(10, 900, (n,), generator=g).tolist()
+        gen += [0] * n if t < 0 else [1] * n
+        step += [-1] * n if t < 0 else [t] * n
+        if t >= 0:
+            ids += torch.randint(10, 900, (6,), generator=g).tolist()
+            gen += [0] * 6
+            step += [-1] * 6
+    return Trajectory(id=f"g{gid}-{i}", question_id=f"q{gid}", group_id=f"g{gid}", kind="policy", question="",
+                      answer="", answer_aliases=[], input_ids=ids, gen_mask=gen, logprobs=[0.0] * len(ids),
+                      step_ids=step, images=[], image_max_pixels=[], processor={}, turns=[],
+                      fatal_cascade_start=1 if fatal else -1, fatal_kth=2 if fatal else -1, reward=reward)
+
+
+def _cases() -> list[tuple[str, RLConfig, list[list[Trajectory]]]]:
+    g = torch.Generator().manual_seed(0)
+
+    def group(gid: int, lengths: list[tuple[int, int]], rewards: list[float], fatal_row: int = -1):
+        rows = enumerate(zip(lengths, rewards, strict=True))
+        return [_record(g, gid, i, t, n, r, i == fatal_row) for i, ((t, n), r) in rows]
+
+    one = [group(0, [(2, 5), (3, 4), (1, 9), (3, 6)], [0.1, 0.9, 0.4, 0.0], fatal_row=3)]
+    three = [group(0, [(2, 5), (1, 3), (3, 7), (2, 2)], [0.2, 0.5, 0.1, 0.7], fatal_row=2),
+             group(1, [(4, 8), (3, 9), (4, 6), (2, 9)], [0.3, 0.0, 0.6, 0.6]),
+             group(2, [(1, 2), (1, 4), (2, 3), (1, 3)], [1.0, 0.0, 0.0, 0.4], fatal_row=1)]
+    # rank 1's only group (group 1) is longer than max_len: all its rows are dropped
+    long_rows = [three[0], group(1, [(6, 12)] * 4, [0.3, 0.0, 0.6, 0.1]), three[2]]
+    base = dict(beta=0.0, lr=1.0, grad_clip=0.0, max_len=70, truncation="drop")
+    return [("1 group on 2 workers", RLConfig(**base), one),
+            ("3 groups of unequal lengths on 2 workers", RLConfig(**base), three),
+            ("a rank whose rows are all dropped, token_mean", RLConfig(**base, aggregation="token_mean"), long_rows)]
+
+
+def _with_behaviour_logprobs(model, processor, groups, cfg):
+    """Record each row's log-probs under the initial weights, so every importance ratio starts at 1
+    (no token clipped) and the gradient reaches every trained token."""
+    for trajs in groups:
+        for tr in trajs:
+            b = rl_batch([[tr]], "", processor, RLConfig(max_len=10_000))
+            with torch.no_grad():
+                tr.logprobs = forward_logprobs(model, b)[0][0].tolist()
+    return groups
+
+
+def _deltas(before: dict[str, torch.Tensor], model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach() - before[k] for k, v in model.named_parameters()}
+
+
+def _worker(rank: int, port: int, case_file: str, out_file: str) -> None:
+    """One DeepSpeed rank: every case's step on this rank's share; rank 0 saves the parameter changes."""
+    import torch.distributed as dist
+
+    from osvl.models.load import load_model, load_processor
+    from osvl.models.tiny import tiny_checkpoint
+    from osvl.rl.learner import warmup_schedule
+    from osvl.train.deepspeed import ds_config, init_engine
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(WORLD),
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    cases = pickle.loads(Path(case_file).read_bytes())
+    path = tiny_checkpoint("qwen3_vl")
+    processor = load_processor(path)
+    out = []
+    for _, cfg, groups in cases:
+        model = load_model(path, dtype="float32")
+        before = {k: v.detach().clone() for k, v in model.named_parameters()}
+        opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=cfg.lr)
+        engine = init_engine(model, opt, warmup_schedule(opt, 0),
+                             ds_config(2, micro_batch=1, grad_accum=1, world_size=WORLD, grad_clip=0.0))
+        mine, live = rank_share(groups, rank, WORLD, cfg)
+        res = Learner(engine.module, cfg, engine=engine).step(rl_batch(mine, "", processor, cfg), live=live)
+        out.append((live, res.loss, _deltas(before, engine.module)))
+    if rank == 0:
+        torch.save(out, out_file)
+    dist.destroy_process_group()
+
+
+def test_any_split_of_a_step_trains_the_one_worker_gradient(tmp_path):
+    from osvl.cluster import free_port
+    from osvl.models.load import load_model, load_processor
+    from osvl.models.tiny import tiny_checkpoint
+
+    path = tiny_checkpoint("qwen3_vl")
+    processor = load_processor(path)
+    init = load_model(path, dtype="float32").eval()
+    cases = [(name, cfg, _with_behaviour_logprobs(init, processor, groups, cfg)) for name, cfg, groups in _cases()]
+    assert rank_share(cases[0][2], 1, WORLD, cases[0][1])[1] is False  # the cases do exercise the stand-in
+    assert rank_share(cases[2][2], 1, WORLD, cases[2][1])[1] is False
+    (tmp_path / "cases.pkl").write_bytes(pickle.dumps(cases))
+
+    port, out_file = free_port(), tmp_path / "out.pt"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1]),
+                                                         os.environ.get("PYTHONPATH", "")])}
+    procs = [subprocess.Popen([sys.executable, __file__, str(r), str(port), str(tmp_path / "cases.pkl"),
+                               str(out_file)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for r in range(WORLD)]
+    try:
+        logs = [p.communicate(timeout=300)[0] for p in procs]  # a hang in a collective ends here
+    finally:
+        for p in procs:
+            p.kill()
+    assert all(p.returncode == 0 for p in procs), "\n".join(log[-3000:] for log in logs)
+    split = torch.load(out_file)
+
+    for (name, cfg, groups), (_, loss, deltas) in zip(cases, split, strict=True):
+        model = load_model(path, dtype="float32")
+        before = {k: v.detach().clone() for k, v in model.named_parameters()}
+        learner = Learner(model, cfg, optimizer=torch.optim.SGD(model.parameters(), lr=cfg.lr))
+        ref = learner.step(rl_batch(groups, "", processor, cfg))
+        want = _deltas(before, model)
+        assert abs(loss - ref.loss) < 1e-5, name
+        moved = max(float(d.abs().max()) for d in want.values())
+        assert moved > 1e-4, f"{name}: the step trained nothing, the comparison would be empty"
+        worst = max(float((deltas[k] - want[k]).abs().max()) for k in want)
+        assert worst < 1e-5, f"{name}: split gradient differs from one worker's by {worst:.2e}"
+
+
+if __name__ == "__main__":
+    _worker(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4])

@@ -1,0 +1,99 @@
+"""The storage layer against a real S3-compatible store on loopback (moto's server): run folders mirror
+to the bucket and come back after the node-local cache is deleted, Ray Train gets the bucket as its
+storage, and a bad root fails at start with one line naming the setting, writing nothing."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from osvl import storage
+from osvl.config import RunConfig, config_hash, opt, run_dir
+from osvl.errors import StorageError
+
+
+@dataclasses.dataclass
+class Cfg:
+    run: RunConfig = opt(RunConfig, "run")
+    size: int = opt(3, "something that changes the output")
+
+
+@pytest.fixture(autouse=True)
+def _fresh(tmp_path, monkeypatch):
+    storage._open.cache_clear()  # each test checks its roots under its own environment
+    monkeypatch.setenv("OSVL_CACHE", str(tmp_path / "cache"))
+    monkeypatch.chdir(tmp_path)
+    yield
+    storage._open.cache_clear()
+
+
+def _s3_files(store, prefix: str) -> set[str]:
+    import pyarrow.fs as pafs
+
+    fs, path = storage.open_root(f"s3://{store['bucket']}/{prefix}")
+    return {i.path[len(path) + 1:] for i in fs.get_file_info(pafs.FileSelector(path, recursive=True))
+            if i.type.name == "File"}
+
+
+def test_a_run_folder_lives_in_the_bucket_and_survives_losing_the_local_cache(s3_store, tmp_path):
+    root = f"s3://{s3_store['bucket']}/runs-roundtrip"
+    cfg = Cfg(run=RunConfig(root=root))
+    out = run_dir(cfg, "job")
+    assert out.is_relative_to(tmp_path / "cache")  # a node-local mirror, not under the checkout
+    (out / "shards").mkdir()
+    (out / "shards" / "shard-00000.parquet").write_bytes(b"rows" * 100)
+    (out / "shards" / "shard-00001.7.tmp").write_bytes(b"half")  # a file being written: never uploaded
+    (out / "report.json").write_text('{"done": true}')
+    storage.publish(out)
+    h = config_hash(cfg)
+    assert _s3_files(s3_store, f"runs-roundtrip/job/{h}") == {"config.yaml", "shards/shard-00000.parquet",
+                                                              "report.json"}
+
+    shutil.rmtree(tmp_path / "cache")  # the node-local cache is only a cache
+    again = run_dir(Cfg(run=RunConfig(root=root)), "job")
+    assert (again / "report.json").read_text() == '{"done": true}'
+    assert (again / "shards" / "shard-00000.parquet").read_bytes() == b"rows" * 100
+    # the hash does not depend on where the run is stored
+    assert config_hash(Cfg(run=RunConfig(root=str(tmp_path / "local")))) == h
+    assert not any(p.name == h for p in tmp_path.rglob("*") if not p.is_relative_to(tmp_path / "cache"))
+
+    # a changed file is uploaded again, an unchanged one is not rewritten
+    (again / "report.json").write_text('{"done": "twice"}')
+    storage.publish(again, "report.json")
+    shutil.rmtree(tmp_path / "cache")
+    assert (run_dir(Cfg(run=RunConfig(root=root)), "job") / "report.json").read_text() == '{"done": "twice"}'
+
+
+def test_ray_train_gets_the_bucket_as_its_storage(s3_store):
+    import pyarrow.fs as pafs
+
+    out = run_dir(Cfg(run=RunConfig(root=f"s3://{s3_store['bucket']}/runs-train")), "sft")
+    path, fs = storage.train_storage(out)
+    assert isinstance(fs, pafs.S3FileSystem)
+    assert path == f"{s3_store['bucket']}/runs-train/sft/{out.name}"
+    local = run_dir(Cfg(run=RunConfig(root=str(Path.cwd() / "runs"))), "sft")
+    assert storage.train_storage(local) == (str(local.resolve()), None)
+
+
+@pytest.mark.parametrize(("root", "env", "says"), [
+    ("ftp://host/runs", {}, "unknown scheme 'ftp'"),
+    ("s3://osvl-test/runs", {"AWS_ENDPOINT_URL": "http://127.0.0.1:9"}, "not reachable"),
+    ("s3://osvl-test/runs", {"AWS_ACCESS_KEY_ID": "", "AWS_SECRET_ACCESS_KEY": "", "AWS_PROFILE": "",
+                             "AWS_SHARED_CREDENTIALS_FILE": "/nonexistent", "AWS_CONFIG_FILE": "/nonexistent"},
+     "no S3 credentials"),
+    ("s3://no-such-bucket/runs", {}, "bucket 'no-such-bucket' does not exist"),
+])
+def test_a_bad_root_fails_at_start_naming_the_setting_and_writes_nothing(s3_store, tmp_path, monkeypatch,
+                                                                          root, env, says):
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(StorageError) as err:
+        run_dir(Cfg(run=RunConfig(root=root)), "job")
+    msg = str(err.value)
+    assert msg.startswith(f"run.root={root}: ") and says in msg and "\n" not in msg
+    assert not any(os.scandir(tmp_path / "cache")) if (tmp_path / "cache").exists() else True
+    assert not [p for p in tmp_path.iterdir() if p.name != "cache"]  # no "ftp:" or "s3:" folder in the cwd
