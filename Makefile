@@ -88,8 +88,10 @@ DEMO_ARGS ?=
 demo: setup
 	$(PY) jobs/grpo.py $(DEMO_ARGS)
 
+# The multi-node tests run in a private network namespace with loopback only (tests/netns.sh says why).
 test: setup lint
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q --ignore=tests/test_multinode.py $(PYTEST_ARGS)
+	OSVL_REQUIRE_NETNS=1 tests/netns.sh $(PY) -m pytest -q -p no:cacheprovider tests/test_multinode.py $(PYTEST_ARGS)
 	$(MAKE) --no-print-directory test-vllm
 
 test-fast: setup lint
