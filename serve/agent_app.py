@@ -188,6 +188,10 @@ class AgentService:
         self.token_sha256 = token_sha256
         self.engine = make_engine(self.cfg.engine, model_path)
         self.tools = offered_tools(self.cfg.offer or trained_tools(model_path))
+        if self.cfg.model == "tiny-agent" and not self.cfg.offer:
+            from osvl.agent.scripted import agent_tools
+
+            self.tools = [t.schema for t in agent_tools().values()]  # the short schemas it was fine-tuned with
         self.client = make_client(self.cfg.tools)
         self.served = 0
 

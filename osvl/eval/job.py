@@ -55,6 +55,8 @@ class EvalConfig:
     max_items: int = opt(0, "Items per benchmark (the first ones); 0 = all.")
     offer: list[str] = opt([], "Tools offered in agentic mode; empty = those of the model's training run "
                                "(osvl.agent.evaluate.trained_tools), else every tool.")
+    schemas: str = opt("", "JSON file with the tool schemas to show the model (rollout.schemas' format); empty = "
+                           "the registry's (the tiny agent: the short schemas it was fine-tuned with).")
     alias_set: str = opt("", "Tool-name alias set of a released checkpoint ('opensearch-vl': web_search, "
                              "layout_parsing and its question prefix); empty = osvl's names.")
     rag_top_k: int = opt(3, "top_k of the rag mode's image and text search.")
@@ -140,7 +142,12 @@ class EvalWorker:
             self.engine = make_engine(self.cfg.engine, model_path, max_batch=self.cfg.max_batch)
             self.processor = self.engine.processor
             offer = self.cfg.offer or trained_tools(model_path)
-        self.tools, names = aliased(offered_tools(offer), self.cfg.alias_set)
+        schemas = offered_tools(offer, self.cfg.schemas)
+        if model == "tiny-agent" and not (self.cfg.offer or self.cfg.schemas):
+            from osvl.agent.scripted import agent_tools
+
+            schemas = [t.schema for t in agent_tools().values()]  # the short schemas it was fine-tuned with
+        self.tools, names = aliased(schemas, self.cfg.alias_set)
         self.prefix = QUESTION_PREFIX.get(self.cfg.alias_set, "")
         self.client = self._client(cache_root, names)
         self.judge = None
