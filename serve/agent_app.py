@@ -27,8 +27,6 @@ token, 404 unknown model, 413 body or image too large; the replica stays healthy
     python -m serve.agent_app --model=DIR --port=8001     # then any OpenAI client at http://127.0.0.1:8001/v1
 """
 
-from __future__ import annotations
-
 import base64
 import binascii
 import dataclasses

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -254,7 +255,10 @@ def run(cfg: EvalConfig, log: Any = print) -> dict[str, Any]:
     log(f"eval: {len(done)} items already scored in {items_file}, {len(todo)} to go, model {cfg.model} -> {out}")
     if todo:
         init_ray(num_cpus=max(2, int(cfg.num_actors * cfg.cpus_per_actor) + 1))
-        actor_cls = ray.remote(EvalWorker).options(num_cpus=cfg.cpus_per_actor, max_concurrency=4)
+        # API keys travel from the driver's environment to its actors, never through the config
+        keys = {k: os.environ[k] for k in (cfg.api_key_env, cfg.judge_endpoint.api_key_env) if k and k in os.environ}
+        actor_cls = ray.remote(EvalWorker).options(num_cpus=cfg.cpus_per_actor, max_concurrency=4,
+                                                   runtime_env={"env_vars": keys} if keys else None)
         # built here, not in the actors: the tiny checkpoints build with asyncio.run, which an async actor cannot
         chat = cfg.model == "oracle" or cfg.model.startswith("openai:")
         path = cfg.processor or resolve_model("tiny") if chat else resolve_model(cfg.model)
