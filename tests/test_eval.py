@@ -214,3 +214,42 @@ def test_grpo_pass_at_1_and_sft_format_check_run_through_the_core(tmp_path, monk
     assert len(texts) == 2 and all(texts)
     assert [s[:2] for s in seen] == [("agentic", 1)] * 2 and sorted(seen[0][2]) == ["image_search", "text_search"]
     assert format_check(str(model), qdir / "sft.parquet", 2, ["image_search", "text_search"]) == 0.0
+
+
+class Answers:
+    """A chat model that always answers ``text`` (the harness, not a model, is under test)."""
+
+    name = "answers"
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+    async def chat(self, messages, images, sampling) -> str:
+        return f"<think>sure</think>\n<response>{self.text}</response>"
+
+
+def test_an_unreachable_llm_judge_marks_the_item_judge_failed_not_wrong():
+    import asyncio
+
+    import numpy as np
+
+    from osvl.agent.engines.openai import EndpointConfig, OpenAIChatEngine
+    from osvl.agent.evaluate import evaluate_item
+    from osvl.agent.judge import LLMJudge
+    from osvl.agent.loop import AgentConfig
+    from osvl.models.load import load_processor
+    from osvl.models.tiny import tiny_checkpoint
+
+    judge = LLMJudge(OpenAIChatEngine(EndpointConfig(base_url="http://127.0.0.1:9/v1", model="judge", retries=0,
+                                                     timeout_s=5), cut=False))
+    item = {"id": "q", "question": "Which tower?", "answer": "Eiffel Tower"}
+    res = asyncio.run(evaluate_item(Answers("the Eiffel Tower"), item, [np.zeros((32, 32, 3), np.uint8)], None,
+                                    "direct", AgentConfig(), processor=load_processor(tiny_checkpoint("qwen3_vl")),
+                                    tools=[], judge=judge))
+    r = res.record
+    assert (r["judge_status"], r["correct"], r["failure"], r["rule_correct"]) == ("judge_failed", None,
+                                                                                    "judge_failed", 1.0)
+    from osvl.eval.report import table
+
+    t = table([r, {**r, "correct": 1.0, "judge_status": "llm", "llm_correct": 1.0, "failure": ""}])
+    assert t["judged"] == 1 and t["pass_at_1"] == 1.0 and t["judge_failed"] == 1 and t["judge_agreement"] == 1.0
