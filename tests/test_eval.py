@@ -27,6 +27,12 @@ MOON = SAMPLE_DIR / "images" / "skimage_data_moon.jpg"
 QUICK = ["--dense_rerank=false", "--agent.max_turns=3", "--agent.max_new_tokens=48", "--inflight=8"]
 
 
+@pytest.fixture(scope="module")
+def questions(tmp_path_factory) -> Path:
+    """Synthesized sample questions (undegraded), built once for the tests below that need them."""
+    return sample_questions(str(tmp_path_factory.mktemp("questions")), degrade_share=0.0)
+
+
 def eval_job(root: Path, *args: str) -> dict:
     from jobs.eval import main
 
@@ -118,10 +124,9 @@ def test_generic_file_in_three_modes_then_rerun_resumes_and_scores_the_same(tmp_
 
 
 @pytest.mark.slow
-def test_path_oracle_scores_at_least_90_percent_on_heldout_questions(tmp_path, ray_cluster):
-    qdir = sample_questions(str(tmp_path / "q"), degrade_share=0.0)
-    heldout = qdir / "heldout.parquet"
-    shutil.copy(qdir / "sft.parquet", heldout)  # the loader reads a synthesize run's heldout.parquet like this
+def test_path_oracle_scores_at_least_90_percent_on_heldout_questions(tmp_path, ray_cluster, questions):
+    heldout = questions / "heldout.parquet"  # a synthesize run's held-out split, read like any benchmark file
+    shutil.copy(questions / "sft.parquet", heldout)
     summary = eval_job(tmp_path / "runs", f"--benchmarks={heldout}", "--modes=agentic", "--model=oracle",
                        "--max_items=24", "--agent.max_turns=16", "--agent.max_new_tokens=512",
                        "--agent.max_episode_tokens=8192")
@@ -155,9 +160,8 @@ def test_released_rl_parquet_loads(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_killed_eval_resumes_without_redoing_finished_items(tmp_path):
-    qdir = sample_questions(str(tmp_path / "q"), degrade_share=0.0)
-    bench = qdir / "sft.parquet"
+def test_a_killed_eval_resumes_without_redoing_finished_items(tmp_path, questions):
+    bench = questions / "sft.parquet"
     n = 12
     cmd = [sys.executable, str(REPO / "jobs" / "eval.py"), f"--run.root={tmp_path / 'runs'}", f"--benchmarks={bench}",
            "--modes=agentic", "--model=oracle", f"--max_items={n}", "--dense_rerank=false", "--inflight=2",
@@ -190,13 +194,13 @@ def test_rule_judge_matches_scripts_without_spaces_per_character():
 
 
 @pytest.mark.slow
-def test_grpo_pass_at_1_and_sft_format_check_run_through_the_core(tmp_path, monkeypatch):
+def test_grpo_pass_at_1_and_sft_format_check_run_through_the_core(questions, monkeypatch):
     import osvl.agent.evaluate as core
     from osvl.models.tiny import tiny_checkpoint
     from osvl.rl.rollout import RolloutConfig, pass_at_1
     from osvl.train.format_check import first_turns, format_check
 
-    qdir = sample_questions(str(tmp_path / "q"), degrade_share=0.0)
+    qdir = questions
     rows = pq.read_table(qdir / "sft.parquet").to_pylist()[:2]
     seen = []
     real = core.evaluate_item
