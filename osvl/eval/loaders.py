@@ -78,7 +78,9 @@ def _check_images(images: list[str | bytes]) -> str:
             with Image.open(io.BytesIO(ref) if isinstance(ref, bytes) else ref) as im:
                 im.verify()
         except Exception as e:  # noqa: BLE001 - PIL raises many kinds for a broken file
-            return f"unreadable_image: {type(e).__name__}: {e}"[:300]
+            # embedded bytes: no message (PIL's names a BytesIO by memory address, which differs per run)
+            return (f"unreadable_image: {type(e).__name__}: {e}" if isinstance(ref, str)
+                    else f"unreadable_image: {type(e).__name__} (embedded image bytes)")[:300]
     return ""
 
 
