@@ -16,7 +16,8 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from osvl.synth.difficulty import NO_TOOLS_SYSTEM, DifficultyFilter, answer_in
+from osvl.agent.evaluate import NO_TOOLS_SYSTEM
+from osvl.synth.difficulty import DifficultyFilter, answer_in
 from osvl.synth.pipeline import ROW_SCHEMA
 
 TOWER_BRIDGE = "details_image_towerbridgelondon_background.jpg"
@@ -60,7 +61,7 @@ def _finetune_on_planted(out, steps=50):
     b.add_image(image)
     messages = [{"role": "system", "content": NO_TOOLS_SYSTEM},
                 {"role": "user", "content": PLANTED["question"], "images": ["img_1"]}]
-    b.add_text(fmt.render(messages, add_generation_prompt=True))  # the prompt stage 1 builds
+    b.add_text(fmt.render(messages, add_generation_prompt=True))  # the prompt of the evaluator's direct mode
     b.add_model_text(fmt.assistant_text("I remember this one.", response=PLANTED["answer"]), 0)
     record = b.build(kind="teacher", id="p", question_id="p", group_id="", question=PLANTED["question"],
                      answer=PLANTED["answer"], answer_aliases=[], turns=[])

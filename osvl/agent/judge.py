@@ -5,7 +5,8 @@ aliases, or reaches token F1 >= 0.8 against one of them; else 0. SQuAD's
 normalisation (lower case, drop punctuation and the articles a/an/the, collapse
 whitespace) is the standard for short factoid answers; we add Unicode accent
 folding because KG answers are full of names ("São Paulo" vs "Sao Paulo") that a
-model may write either way. The F1 threshold accepts one extra word beside a
+model may write either way, and score scripts written without spaces (Chinese, Japanese,
+Thai, Korean) per character. The F1 threshold accepts one extra word beside a
 two-word gold ("Robert Fico Slovakia" for "Robert Fico": F1 0.8) and rejects a
 different name that shares a token ("Robert Kaliňák": F1 0.5). The LLM judge
 (``LLMJudge``: OpenAI-compatible, "correct: yes/no") is a separate, optional path
@@ -37,9 +38,20 @@ def normalize_answer(text: str) -> str:
     return " ".join(text.split())
 
 
+# scripts written without spaces between words: each character is a token (the usual rule for
+# Chinese/Japanese/Thai QA metrics), so "阿灵顿排屋" against "阿灵顿排屋（Arlington Row）" is scored
+# per character instead of as one unbreakable word
+_PER_CHAR = re.compile(r"([\u0e00-\u0e7f\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff\uac00-\ud7af])")
+
+
+def answer_tokens(text: str) -> list[str]:
+    """The normalised answer's tokens: words, and single characters of scripts without spaces."""
+    return [t for word in normalize_answer(text).split() for t in _PER_CHAR.split(word) if t]
+
+
 def token_f1(prediction: str, gold: str) -> float:
-    """SQuAD token F1 between two (unnormalised) strings."""
-    pred, ref = normalize_answer(prediction).split(), normalize_answer(gold).split()
+    """SQuAD token F1 between two (unnormalised) strings (``answer_tokens``)."""
+    pred, ref = answer_tokens(prediction), answer_tokens(gold)
     if not pred or not ref:
         return float(pred == ref)
     common = sum((Counter(pred) & Counter(ref)).values())
@@ -54,11 +66,11 @@ def answer_reward(response: str | None, answer: str, aliases: Iterable[str] = ()
     if response is None:
         return 0.0
     golds = [g for g in (answer, *aliases) if g and normalize_answer(g)]
-    norm = normalize_answer(response)
-    if not norm:
+    tokens = answer_tokens(response)
+    if not tokens:
         return 0.0
     for gold in golds:
-        if norm == normalize_answer(gold) or token_f1(response, gold) >= F1_THRESHOLD:
+        if tokens == answer_tokens(gold) or token_f1(response, gold) >= F1_THRESHOLD:
             return 1.0
     return 0.0
 

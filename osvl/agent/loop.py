@@ -135,11 +135,13 @@ def _episode_id(question_id: str, group_id: str, sample: int, seed: int) -> str:
 async def run_episode(engine: TokenEngine | ChatEngine, question: Mapping[str, Any], images: list[np.ndarray],
                       client: ToolClient, cfg: AgentConfig, *, processor: Any, tools: list[dict],
                       seed: int = 0, group_id: str = "", sample: int = 0,
-                      image_store: dict[str, np.ndarray] | None = None) -> Trajectory:
+                      image_store: dict[str, np.ndarray] | None = None, system: str | None = None) -> Trajectory:
     """Run one episode of ``question`` (a synth row) on ``images`` and return its trajectory (rewards unset).
 
     ``image_store``, when given, receives content hash -> array of every image the episode
-    used (the question's and the tools'), ready for ``write_trajectories``.
+    used (the question's and the tools'), ready for ``write_trajectories``. ``system`` is an
+    instruction put before the tool list (``render``'s rule); the evaluator's no-tools modes
+    use it to ask for a direct answer.
     """
     cfg.check()
     chat = hasattr(engine, "chat")
@@ -160,10 +162,12 @@ async def run_episode(engine: TokenEngine | ChatEngine, question: Mapping[str, A
     fatal = None
 
     names = [f"img_{i + 1}" for i in range(len(images))]
+    head = [{"role": "system", "content": system}] if system is not None else []
     messages: list[dict[str, Any]] = [
-        {"role": "system", "content": fmt.system_prompt(tools)},
+        {"role": "system", "content": fmt.system_prompt(tools) if system is None
+         else f"{system}\n\n{fmt.system_prompt(tools)}" if tools else system},
         {"role": "user", "content": str(question["question"]), "images": names}]
-    prompt = fmt.render(messages[1:], tools=tools, add_generation_prompt=True)
+    prompt = fmt.render(head + messages[1:], tools=tools, add_generation_prompt=True)
     caps = _fit_images(b, prompt, list(images), cfg, min_pixels, names, events)
     if caps is None:
         stop_reason = "context_overflow" if images else "max_tokens"

@@ -303,10 +303,10 @@ class _MeteredClient:
 
 
 async def _eval_episodes(model_dir: str, questions: list[dict[str, Any]], image_dir: str, cfg: RolloutConfig,
-                         concurrency: int) -> list[Any]:
+                         concurrency: int) -> list[float]:
     from osvl.agent.engines import make_engine
-    from osvl.agent.judge import answer_reward
-    from osvl.agent.loop import AgentConfig, run_episode
+    from osvl.agent.evaluate import evaluate_item
+    from osvl.agent.loop import AgentConfig
     from osvl.tools.client import make_client
 
     engine = make_engine(cfg.engine, model_dir, max_batch=cfg.max_batch)
@@ -319,10 +319,9 @@ async def _eval_episodes(model_dir: str, questions: list[dict[str, Any]], image_
 
     async def one(row: dict[str, Any]) -> float:
         async with sem:
-            traj = await run_episode(engine, row, question_images(Path(image_dir), row), client, agent,
-                                     processor=engine.processor, tools=tools, seed=0)
-            ok = traj.fatal_kth < 0 and traj.stop_reason == "response"
-            return answer_reward(traj.final_answer, row["answer"], row.get("answer_aliases") or []) if ok else 0.0
+            res = await evaluate_item(engine, row, question_images(Path(image_dir), row), client, "agentic", agent,
+                                      processor=engine.processor, tools=tools)
+            return float(res.record["correct"])
 
     try:
         return list(await asyncio.gather(*(one(r) for r in questions)))
@@ -332,7 +331,8 @@ async def _eval_episodes(model_dir: str, questions: list[dict[str, Any]], image_
 
 def pass_at_1(model_dir: str | Path, questions: list[dict[str, Any]], image_dir: str | Path, cfg: RolloutConfig,
               concurrency: int = 16) -> float:
-    """Greedy Pass@1 (rule judge r_acc) of ``model_dir`` on ``questions``, with the same budgets as the rollouts.
+    """Greedy agentic Pass@1 (rule judge) of ``model_dir`` on ``questions`` through the evaluator's per-item core
+    (``osvl.agent.evaluate``), with the rollouts' budgets and offered tools.
 
     The engine runs in a Ray task with the rollout actors' resources (a GPU node in production),
     never in the driver, which runs on the CPU-only head.

@@ -1,9 +1,9 @@
 """The two-stage difficulty filter: keep questions that need the tools.
 
 1. **no_tools**: a given model (any token engine, or a chat engine behind an OpenAI-compatible
-   endpoint) sees the image and the question with no tools offered and answers greedily;
-   a question it answers right (the rule judge, ``answer_reward``) is dropped: it tests
-   what the model already knows, not search.
+   endpoint) answers in the evaluator's ``direct`` mode (``osvl.agent.evaluate``: the image
+   and the question, no tools, one greedy turn); a question it answers right (the rule
+   judge) is dropped: it tests what the model already knows, not search.
 2. **one_image_search**: one ``image_search`` on the *undegraded* image (the KG anchor
    photo the question was made from); a question whose answer or an alias appears in
    that result is dropped: one lookup gives it away, there is nothing multi-hop left.
@@ -30,14 +30,12 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from osvl.agent.judge import answer_reward, normalize_answer
+from osvl.agent.judge import normalize_answer
 from osvl.errors import ConfigError
 
 STAGES = ("no_tools", "one_image_search")
 ENV = "OSVL_DIFFICULTY"
 
-NO_TOOLS_SYSTEM = "Answer the question about the image directly, in a few words. Write <think>…</think> then " \
-                  "<response>your answer</response>."
 
 
 @dataclass
@@ -71,53 +69,36 @@ def answer_in(text: str, answer: str, aliases: list[str]) -> bool:
     return any(f" {normalize_answer(g)} " in hay for g in [answer, *aliases] if g and normalize_answer(g))
 
 
-def _parse_answer(text: str) -> str:
-    """The ``<response>`` of a reply, or the whole reply when the model ignored the format."""
-    from osvl.agent.format import RESPONSE_CLOSE, RESPONSE_OPEN
-
-    if RESPONSE_OPEN in text:
-        return text.split(RESPONSE_OPEN, 1)[1].split(RESPONSE_CLOSE, 1)[0].strip()
-    return text.split("</think>")[-1].strip()
-
-
 class NoToolsModel:
-    """Stage 1's model: greedy, no tools offered, one turn."""
+    """Stage 1's model: the evaluator's ``direct`` mode (greedy, no tools offered, one turn)."""
 
     def __init__(self, cfg: DifficultyConfig) -> None:
         self.cfg = cfg
         if cfg.engine == "openai":
             from osvl.agent.engines.openai import EndpointConfig, OpenAIChatEngine
+            from osvl.agent.evaluate import LenientChat
+            from osvl.models.load import load_processor
+            from osvl.models.tiny import tiny_checkpoint
 
-            self.chat = OpenAIChatEngine(EndpointConfig(base_url=cfg.base_url, model=cfg.model,
-                                                        api_key_env=cfg.api_key_env), cut=False)
-            self.engine = None
+            self.engine = LenientChat(OpenAIChatEngine(EndpointConfig(base_url=cfg.base_url, model=cfg.model,
+                                                                      api_key_env=cfg.api_key_env), cut=False))
+            self.processor = load_processor(tiny_checkpoint("qwen3_vl"))  # renders the record only
         else:
             from osvl.agent.engines import make_engine
-            from osvl.models.load import load_processor
 
-            self.chat = None
             self.engine = make_engine(cfg.engine, cfg.model)
-            self.processor = load_processor(cfg.model)
+            self.processor = self.engine.processor
 
-    async def answer(self, question: str, image: np.ndarray) -> str:
-        from osvl.agent import format as fmt
-        from osvl.agent.engines.base import GenRequest, Sampling
+    async def correct(self, row: dict[str, Any], image: np.ndarray) -> bool:
+        """Whether the model answers ``row`` right with no tools (the evaluator's rule judge)."""
+        from osvl.agent.evaluate import evaluate_item
+        from osvl.agent.loop import AgentConfig
 
-        messages = [{"role": "system", "content": NO_TOOLS_SYSTEM},
-                    {"role": "user", "content": question, "images": ["img_1"]}]
-        sampling = Sampling(temperature=0.0, max_new_tokens=self.cfg.max_new_tokens)
-        if self.chat is not None:
-            return _parse_answer(await self.chat.chat(messages, {"img_1": image}, sampling))
-        from osvl.agent.loop import stop_token_ids
-        from osvl.agent.trajectory import TrajectoryBuilder
-
-        b = TrajectoryBuilder(self.processor)
-        b.add_image(image)
-        b.add_text(fmt.render(messages, add_generation_prompt=True))
-        sampling.stop_token_ids = stop_token_ids(self.processor.tokenizer)
-        res = await self.engine.generate(GenRequest(list(b.input_ids), list(b.images), list(b.image_max_pixels),
-                                                    sampling))
-        return _parse_answer(self.processor.tokenizer.decode(res.token_ids, skip_special_tokens=True))
+        agent = AgentConfig(max_turns=1, max_new_tokens=self.cfg.max_new_tokens, max_episode_tokens=32_768,
+                            temperature=0.0)
+        res = await evaluate_item(self.engine, row, [image], None, "direct", agent, processor=self.processor,
+                                  tools=[])
+        return bool(res.record["correct"])
 
 
 def _load_rgb(path: Path) -> np.ndarray:
@@ -154,12 +135,12 @@ def filter_rows(rows: list[dict[str, Any]], cfg: DifficultyConfig, model: NoTool
                 counts["no_tools:skipped_no_model"] += len(kept)
                 continue
 
-            async def ask_all(batch: list[dict[str, Any]]) -> list[str]:
-                return await asyncio.gather(*(model.answer(r["question"], original(r)) for r in batch))
+            async def ask_all(batch: list[dict[str, Any]]) -> list[bool]:
+                return await asyncio.gather(*(model.correct(r, original(r)) for r in batch))
 
-            replies = asyncio.run(ask_all(kept))
-            for row, reply in zip(kept, replies, strict=True):
-                if answer_reward(reply, row["answer"], row["answer_aliases"]):
+            verdicts = asyncio.run(ask_all(kept))
+            for row, right in zip(kept, verdicts, strict=True):
+                if right:
                     counts["no_tools:answered_without_tools"] += 1
                 else:
                     survivors.append(row)

@@ -450,6 +450,10 @@ def run(cfg: SftConfig, *, log: Any = print) -> dict[str, Any]:
     resumed = [e["resumed_at"] for e in entries if "resumed_at" in e]
     log_file.write_text("".join(json.dumps(lines[k]) + "\n" for k in sorted(lines)))
     log(loss_curve(log_file))
+    from osvl.agent.evaluate import OFFER_FILE, trained_tools
+
+    offer = trained_tools(data_dir)  # the policy's prompt showed these tools: evals offer the same
+    (model_out / OFFER_FILE).write_text(json.dumps(offer))
     report: dict[str, Any] = {"model": str(model_out), "steps": steps, "train_s": round(train_s, 1),
                               "train_rows": n_train, "val_rows": n_val, "resumed_at": resumed,
                               "final": lines[max(lines)], "config": to_dict(cfg)}
@@ -460,8 +464,8 @@ def run(cfg: SftConfig, *, log: Any = print) -> dict[str, Any]:
         if held is None:
             log("sft: no heldout.parquet found; format check skipped")
         else:
-            before = format_check(model_dir, held, cfg.data.n_eval)
-            after = format_check(str(model_out), held, cfg.data.n_eval)
+            before = format_check(model_dir, held, cfg.data.n_eval, offer)
+            after = format_check(str(model_out), held, cfg.data.n_eval, offer)
             report["format_valid_before"], report["format_valid_after"] = before, after
             log(f"sft: greedy first turns that parse on {cfg.data.n_eval} held-out questions: "
                 f"{before:.0%} before -> {after:.0%} after")

@@ -1,0 +1,292 @@
+"""``jobs/eval.py``: Pass@1 of one model on benchmark files, in the direct, RAG and agentic modes.
+
+The driver loads every benchmark (``osvl.eval.loaders``), skips the (benchmark, mode, id)
+triples already in the run's ``items.jsonl`` (a killed run resumes where it stopped),
+and hands the rest, in chunks, to ``num_actors`` Ray actors. Each actor holds one model
+and one tool client and runs a chunk's items concurrently through the per-item core
+(``osvl.agent.evaluate.evaluate_item``), so a token engine batches the turns of the
+episodes that wait for it while the others wait for tools. Every finished chunk is
+appended to ``items.jsonl`` at once; the tables, the summary and the chart are rebuilt
+from that file at the end, so they always describe every item scored so far.
+
+Determinism: greedy decoding by default, per-item seeds from the item id, and every tool
+call through the record/replay cache (``tool_cache: replay``): the first run records, a
+rerun with the same model replays the same tool answers and gives the same scores.
+
+Models (``model``): a checkpoint directory (token engine ``engine``: hf or vllm),
+``tiny-agent`` / ``tiny`` (the cached tiny checkpoints), ``openai:NAME`` (an
+OpenAI-compatible chat endpoint at ``base_url``; replies without osvl's tags count as the
+answer), or ``oracle`` (the path-oracle teacher; synthesized questions only, since it
+needs each question's KG path).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from osvl.agent.engines.openai import EndpointConfig
+from osvl.agent.evaluate import MODES
+from osvl.agent.loop import AgentConfig
+from osvl.config import RunConfig, from_dict, opt, to_dict
+from osvl.errors import ConfigError, DataError
+
+JOB = "eval"
+ITEMS = "items.jsonl"
+
+
+@dataclass
+class EvalConfig:
+    """What to evaluate, how, and where the results go (``<run.root>/eval/<hash>/``)."""
+
+    run: RunConfig = opt(RunConfig, "Run root and seed.")
+    benchmarks: list[str] = opt([], "Benchmark files (JSONL, JSON or Parquet; see osvl/eval/loaders.py).")
+    modes: list[str] = opt(["direct", "rag", "agentic"], "Modes to run: direct, rag, agentic.")
+    model: str = opt("tiny-agent", "Checkpoint directory, 'tiny-agent', 'tiny', 'openai:NAME' or 'oracle'.")
+    engine: str = opt("hf", "Token engine for a checkpoint: hf or vllm.")
+    base_url: str = opt("", "openai:NAME models: the OpenAI-compatible base URL (http://host:port/v1).")
+    api_key_env: str = opt("", "openai:NAME models: environment variable holding the API key.", hashed=False)
+    processor: str = opt("", "Tokenizer/processor for chat models (openai, oracle); empty = the tiny checkpoint's.")
+    image_root: str = opt("", "Folder the BrowseComp-VL / SimpleVQA image paths resolve under.", hashed=False)
+    max_items: int = opt(0, "Items per benchmark (the first ones); 0 = all.")
+    offer: list[str] = opt([], "Tools offered in agentic mode; empty = those of the model's training run "
+                               "(osvl.agent.evaluate.trained_tools), else every tool.")
+    schemas: str = opt("", "JSON file with the tool schemas to show the model (rollout.schemas' format); empty = "
+                           "the registry's (the tiny agent: the short schemas it was fine-tuned with).")
+    alias_set: str = opt("", "Tool-name alias set of a released checkpoint ('opensearch-vl': web_search, "
+                             "layout_parsing and its question prefix); empty = osvl's names.")
+    rag_top_k: int = opt(3, "top_k of the rag mode's image and text search.")
+    dense_rerank: bool = opt(True, "text_search's MiniLM re-rank (seconds per query on 2 cores; off for quick runs).")
+    agent: AgentConfig = opt(AgentConfig(max_turns=6, max_new_tokens=128, max_episode_tokens=3072, temperature=0.0),
+                             "Agent budgets (agentic mode; direct and rag use one turn of the same budgets).")
+    judge: str = opt("rule", "Answer judge: rule, or llm (the endpoint below; the rule judge runs too and the "
+                             "report gives their agreement).")
+    judge_endpoint: EndpointConfig = opt(EndpointConfig, "The LLM judge's OpenAI-compatible endpoint.")
+    tools: str = opt("inprocess", "Tool transport: inprocess (in each actor) or http (the tool API at tools_url).")
+    tools_url: str = opt("", "tools=http: the tool API's URL.", hashed=False)
+    tool_cache: str = opt("replay", "Record/replay cache mode of tool calls (inprocess): off, record, replay, "
+                                    "strict-replay.")
+    tool_cache_root: str = opt("", "Cache folder; empty = <run.root>/eval/tool_cache (shared by eval runs).",
+                               hashed=False)
+    tool_latency_s: float = opt(0.0, "Simulated extra latency per tool call (benchmarks), seconds.")
+    num_actors: int = opt(1, "Ray actors, each with one model and tool client.", hashed=False)
+    cpus_per_actor: float = opt(1.0, "CPUs reserved per actor.", hashed=False)
+    inflight: int = opt(16, "Items each actor runs concurrently.", hashed=False)
+    max_batch: int = opt(16, "Most turns a token engine batches into one generate.", hashed=False)
+
+
+def check(cfg: EvalConfig) -> None:
+    if not cfg.benchmarks:
+        raise ConfigError("no benchmarks: pass --benchmarks=FILE[,FILE]")
+    bad = sorted(set(cfg.modes) - set(MODES))
+    if bad or not cfg.modes:
+        raise ConfigError(f"modes must be a non-empty subset of {MODES}, got {cfg.modes}")
+    if cfg.model.startswith("openai:") and not cfg.base_url:
+        raise ConfigError("an openai:NAME model needs --base_url=http://host:port/v1")
+    if cfg.judge not in ("rule", "llm"):
+        raise ConfigError(f"judge must be rule or llm, got {cfg.judge!r}")
+    if cfg.tools not in ("inprocess", "http"):
+        raise ConfigError(f"tools must be inprocess or http, got {cfg.tools!r}")
+    if cfg.inflight < 1 or cfg.num_actors < 1:
+        raise ConfigError("inflight and num_actors must be >= 1")
+    cfg.agent.check()
+
+
+def resolve_model(name: str) -> str:
+    """A checkpoint directory for the names that stand for one (tiny, tiny-agent); others unchanged."""
+    if name == "tiny":
+        from osvl.models.tiny import tiny_checkpoint
+
+        return str(tiny_checkpoint("qwen3_vl"))
+    if name == "tiny-agent":
+        from osvl.agent.scripted import tiny_agent_checkpoint
+
+        return str(tiny_agent_checkpoint())
+    return name
+
+
+class EvalWorker:
+    """One Ray actor: a model, a processor and a tool client; ``run`` scores a chunk of items."""
+
+    def __init__(self, cfg: dict[str, Any], cache_root: str, model_path: str) -> None:
+        import torch
+
+        from osvl.agent.evaluate import QUESTION_PREFIX, aliased, trained_tools
+        from osvl.rl.rollout import offered_tools
+        from osvl.tools import text_search
+
+        self.cfg = from_dict(EvalConfig, cfg)
+        torch.set_num_threads(max(1, int(self.cfg.cpus_per_actor)))
+        text_search.configure(text_search.TextSearchConfig(dense_rerank=self.cfg.dense_rerank))
+        model = self.cfg.model
+        self.engine: Any = None
+        if model == "oracle" or model.startswith("openai:"):
+            from osvl.models.load import load_processor
+
+            self.processor = load_processor(model_path)
+            if model.startswith("openai:"):
+                from osvl.agent.engines.openai import OpenAIChatEngine
+                from osvl.agent.evaluate import LenientChat
+
+                ep = EndpointConfig(base_url=self.cfg.base_url, model=model.split(":", 1)[1],
+                                    api_key_env=self.cfg.api_key_env)
+                self.engine = LenientChat(OpenAIChatEngine(ep))
+            offer = self.cfg.offer
+        else:
+            from osvl.agent.engines import make_engine
+
+            self.engine = make_engine(self.cfg.engine, model_path, max_batch=self.cfg.max_batch)
+            self.processor = self.engine.processor
+            offer = self.cfg.offer or trained_tools(model_path)
+        schemas = offered_tools(offer, self.cfg.schemas)
+        if model == "tiny-agent" and not (self.cfg.offer or self.cfg.schemas):
+            from osvl.agent.scripted import agent_tools
+
+            schemas = [t.schema for t in agent_tools().values()]  # the short schemas it was fine-tuned with
+        self.tools, names = aliased(schemas, self.cfg.alias_set)
+        self.prefix = QUESTION_PREFIX.get(self.cfg.alias_set, "")
+        self.client = self._client(cache_root, names)
+        self.judge = None
+        if self.cfg.judge == "llm":
+            from osvl.agent.engines.openai import OpenAIChatEngine
+            from osvl.agent.judge import LLMJudge
+
+            self.judge = LLMJudge(OpenAIChatEngine(self.cfg.judge_endpoint, cut=False),
+                                  cache_path=str(Path(cache_root).parent / "judge_cache.jsonl"))
+
+    def _client(self, cache_root: str, names: dict[str, str]) -> Any:
+        from osvl.agent.evaluate import AliasClient
+        from osvl.rl.rollout import _DelayedClient
+        from osvl.tools.client import ToolClient, make_client
+
+        if self.cfg.tools == "http":
+            client = make_client("http", url=self.cfg.tools_url)
+        else:
+            from osvl.agent.expert import CachedInProcess
+
+            client = ToolClient(CachedInProcess(self.cfg.tool_cache, cache_root))
+        if self.cfg.tool_latency_s > 0:
+            client = _DelayedClient(client, self.cfg.tool_latency_s)
+        return AliasClient(client, names) if names else client
+
+    async def _one(self, item: dict[str, Any], mode: str) -> dict[str, Any]:
+        from osvl.agent.evaluate import evaluate_item
+        from osvl.eval.loaders import load_image
+
+        engine = self.engine
+        try:
+            if engine is None:  # the oracle is bound to one question
+                from osvl.agent.teacher import PathOracle
+
+                engine = PathOracle(item)
+            images = [await asyncio.to_thread(load_image, ref) for ref in item["images"]]
+        except DataError as e:
+            return {"id": item["id"], "mode": mode, "question": item["question"], "answer": item["answer"],
+                    "prediction": None, "correct": 0.0, "rule_correct": 0.0, "llm_correct": None,
+                    "judge_status": "rule", "failure": "item_error", "error": str(e)[:300], "turns": 0,
+                    "tool_calls": 0, "tools": [], "fatal": False, "trajectory": []}
+        res = await evaluate_item(engine, item, images, self.client, mode, self.cfg.agent, processor=self.processor,
+                                  tools=self.tools, judge=self.judge, rag_top_k=self.cfg.rag_top_k,
+                                  question_prefix=self.prefix)
+        return res.record
+
+    async def run(self, chunk: list[tuple[str, str, dict[str, Any]]]) -> list[dict[str, Any]]:
+        """Score ``chunk`` ((benchmark, mode, item) triples), ``inflight`` at a time."""
+        sem = asyncio.Semaphore(self.cfg.inflight)
+
+        async def one(bench: str, mode: str, item: dict[str, Any]) -> dict[str, Any]:
+            async with sem:
+                t0 = time.perf_counter()
+                rec = await self._one(item, mode)
+                return {"benchmark": bench, "line": item.get("line"), **rec,
+                        "seconds": round(time.perf_counter() - t0, 3)}
+
+        return list(await asyncio.gather(*(one(b, m, it) for b, m, it in chunk)))
+
+
+def read_items(path: Path) -> list[dict[str, Any]]:
+    """The records of ``items.jsonl``; a line cut by a kill is ignored (its item is redone)."""
+    out = []
+    if path.is_file():
+        for line in path.read_text(encoding="utf-8").splitlines():
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                continue
+    return out
+
+
+def _key(rec: dict[str, Any]) -> tuple[str, str, str]:
+    return rec["benchmark"], rec["mode"], rec["id"]
+
+
+def run(cfg: EvalConfig, log: Any = print) -> dict[str, Any]:
+    """The whole job; returns the summary (also written as summary.json)."""
+    import ray
+
+    from osvl.cluster import init_ray
+    from osvl.config import run_dir
+    from osvl.eval.loaders import load_benchmark
+    from osvl.eval.report import write_reports
+
+    check(cfg)
+    t0 = time.perf_counter()
+    out = run_dir(cfg, JOB).resolve()
+    cache_root = cfg.tool_cache_root or str(Path(cfg.run.root).resolve() / JOB / "tool_cache")
+    benches, names = [], set()
+    for spec in cfg.benchmarks:
+        b = load_benchmark(spec, cfg.image_root)
+        while b.name in names:
+            b.name += "_"
+        names.add(b.name)
+        if cfg.max_items:
+            b.items = b.items[:cfg.max_items]
+        log(f"eval: {b.name} ({b.format}): {len(b.items)} items, {len(b.problems)} rows not loadable"
+            + (f" (first: line {b.problems[0]['line']}: {b.problems[0]['detail']})" if b.problems else ""))
+        benches.append(b)
+    items_file = out / ITEMS
+    done = {_key(r) for r in read_items(items_file)}
+    todo = [(b.name, m, it) for m in cfg.modes for b in benches for it in b.items if (b.name, m, it["id"]) not in done]
+    log(f"eval: {len(done)} items already scored in {items_file}, {len(todo)} to go, model {cfg.model} -> {out}")
+    if todo:
+        init_ray(num_cpus=max(2, int(cfg.num_actors * cfg.cpus_per_actor) + 1))
+        # API keys travel from the driver's environment to its actors, never through the config
+        keys = {k: os.environ[k] for k in (cfg.api_key_env, cfg.judge_endpoint.api_key_env) if k and k in os.environ}
+        actor_cls = ray.remote(EvalWorker).options(num_cpus=cfg.cpus_per_actor, max_concurrency=4,
+                                                   runtime_env={"env_vars": keys} if keys else None)
+        # built here, not in the actors: the tiny checkpoints build with asyncio.run, which an async actor cannot
+        chat = cfg.model == "oracle" or cfg.model.startswith("openai:")
+        path = cfg.processor or resolve_model("tiny") if chat else resolve_model(cfg.model)
+        actors = [actor_cls.remote(to_dict(cfg), cache_root, path) for _ in range(min(cfg.num_actors, len(todo)))]
+        size = cfg.inflight
+        chunks = [todo[i:i + size] for i in range(0, len(todo), size)]
+        pending: dict[Any, int] = {}
+        nxt = 0
+        finished = 0
+        with items_file.open("a", encoding="utf-8") as f:
+            while nxt < len(chunks) or pending:
+                while nxt < len(chunks) and len(pending) < 2 * len(actors):
+                    pending[actors[nxt % len(actors)].run.remote(chunks[nxt])] = nxt
+                    nxt += 1
+                ready, _ = ray.wait(list(pending), num_returns=1)
+                for ref in ready:
+                    pending.pop(ref)
+                    for rec in ray.get(ref):
+                        f.write(json.dumps(rec, ensure_ascii=False) + "\n")
+                        finished += 1
+                    f.flush()
+                log(f"eval: {finished}/{len(todo)} items scored ({time.perf_counter() - t0:.0f} s)")
+        for a in actors:
+            ray.kill(a)
+    records = read_items(items_file)
+    summary = write_reports(out, records, benches, cfg.modes, extra={
+        "model": cfg.model, "judge": cfg.judge, "evaluated_now": len(todo), "resumed": len(done),
+        "seconds": round(time.perf_counter() - t0, 1), "config": to_dict(cfg)})
+    log((out / "summary.md").read_text())
+    return summary
+

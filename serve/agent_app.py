@@ -1,0 +1,281 @@
+"""The trained agent as an OpenAI-compatible service: ``POST /v1/chat/completions`` on Ray Serve.
+
+A client sends what it would send any vision chat model: a user message whose content has
+the question as text and the image as an ``image_url`` part (a ``data:image/...;base64,``
+URL, or an http(s) URL when ``fetch_urls`` is on). The replica runs the whole agent loop
+(``osvl.agent.loop.run_episode``) with its checkpoint, greedily, offering the tools the
+checkpoint was trained with, and answers an ordinary ``chat.completion`` whose message
+content is the final answer, plus one extra top-level field, ``osvl_trajectory``:
+
+    {"stop_reason": "response", "fatal": false, "events": [...],
+     "turns": [{"text": ..., "action": "tool_call", "tool": "text_search", "arguments": {...},
+                "status": "ok", "error_kind": "", "observation": "..."}, ...]}
+
+Only the last user message is read (system messages and earlier turns are ignored: the
+agent brings its own system prompt); text parts that are only an image name (``img_1``, as
+osvl's own OpenAI engine writes them) are dropped. Tools run through the tool app's Serve
+handles (``tools: handle``, the ``osvl_tools`` app of ``serve/app.py``) or in the replica
+(``inprocess``).
+
+Security, the tool API's: it binds to 127.0.0.1, takes the same bearer token (the
+variable named by ``token_env``; the tool API's check, imported), and image URLs are
+fetched only with ``fetch_urls``, through the tools' SSRF guard (``osvl.tools.web``).
+Bad requests get OpenAI-shaped errors (``{"error": {"type", "code", "message"}}``): 400
+malformed / no question / no image / unreadable image / URL fetching off or refused, 401
+token, 404 unknown model, 413 body or image too large; the replica stays healthy.
+
+    python -m serve.agent_app --model=DIR --port=8001     # then any OpenAI client at http://127.0.0.1:8001/v1
+"""
+
+import base64
+import binascii
+import dataclasses
+import hashlib
+import json
+import os
+import re
+import sys
+import time
+import uuid
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from ray import serve
+
+from osvl.agent.loop import AgentConfig
+from osvl.config import from_dict, opt
+from osvl.errors import FetchRefused, InvalidCall, OsvlError
+from osvl.tools.client import MAX_PIXELS, decode_image
+from serve.app import SWALLOW_FACTOR, ToolAPI
+
+AGENT_APP = "osvl_agent"
+_NAME_ONLY = re.compile(r"^\s*img_\d+\s*$")
+
+
+@dataclasses.dataclass
+class AgentServeConfig:
+    """Arguments of ``make_agent_app``."""
+
+    model: str = opt("tiny-agent", "Checkpoint directory, or 'tiny-agent' (the cached tiny agent).")
+    name: str = opt("osvl-agent", "The model name clients send (404 for any other).")
+    engine: str = opt("hf", "Token engine: hf or vllm.")
+    offer: list[str] = opt([], "Tools offered; empty = those the checkpoint was trained with "
+                               "(osvl.agent.evaluate.trained_tools), else every tool.")
+    tools: str = opt("inprocess", "Tool transport: handle (the osvl_tools Serve app) or inprocess.")
+    agent: AgentConfig = opt(AgentConfig(max_turns=6, max_new_tokens=128, max_episode_tokens=3072, temperature=0.0),
+                             "Agent budgets of every request.")
+    fetch_urls: bool = opt(False, "Fetch http(s) image URLs (through the SSRF guard); off = data URLs only.")
+    max_body_bytes: int = opt(16 * 2**20, "Largest request body, bytes (413 above).")
+    max_pixels: int = opt(MAX_PIXELS, "Largest image, pixels (413 above).")
+    max_images: int = opt(4, "Most images in one request.")
+    token_env: str = opt("OSVL_TOOLS_TOKEN", "Environment variable holding the bearer token (the tool API's); "
+                                             "when set where the app is built, every /v1 call must carry it.")
+
+
+class BadRequest(OsvlError):
+    """A request the service refuses, with its HTTP status and OpenAI error code."""
+
+    def __init__(self, status: int, code: str, message: str) -> None:
+        super().__init__(message)
+        self.status, self.code = status, code
+
+
+def error(status: int, code: str, message: str) -> JSONResponse:
+    kind = {401: "authentication_error", 404: "not_found_error"}.get(status, "invalid_request_error")
+    headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
+    return JSONResponse({"error": {"type": kind, "code": code, "message": message}}, status_code=status,
+                        headers=headers)
+
+
+async def _image(url: Any, cfg: AgentServeConfig) -> Any:
+    """An ``image_url`` part's URL -> RGB array (``BadRequest`` otherwise)."""
+    if not isinstance(url, str) or not url:
+        raise BadRequest(400, "bad_image_url", "image_url.url must be a non-empty string")
+    if url.startswith("data:"):
+        head, _, data = url.partition(",")
+        if not head.endswith(";base64"):
+            raise BadRequest(400, "bad_image_url", "a data URL must be base64 (data:image/png;base64,...)")
+        b64 = data
+    elif url.startswith(("http://", "https://")):
+        if not cfg.fetch_urls:
+            raise BadRequest(400, "url_fetch_disabled", "image URLs are not fetched by this service (fetch_urls "
+                                                        "is off); send the image as a base64 data URL")
+        from osvl.tools.web import WebConfig, fetch_url
+
+        try:
+            _, _, body = await fetch_url(url, WebConfig())
+        except FetchRefused as e:
+            raise BadRequest(400, "url_refused", f"image URL refused: {e}") from None
+        except Exception as e:  # noqa: BLE001 - any network failure is the client's URL's problem here
+            raise BadRequest(400, "url_unreachable", f"image URL could not be fetched: {type(e).__name__}") from None
+        b64 = base64.b64encode(body).decode("ascii")
+    else:
+        raise BadRequest(400, "bad_image_url", "image_url.url must be a data: or http(s): URL")
+    try:
+        return decode_image(b64, cfg.max_pixels, "image_url")
+    except InvalidCall as e:
+        raise BadRequest(413 if e.limit else 400, "image_too_large" if e.limit else "unreadable_image",
+                         str(e)) from None
+    except (binascii.Error, ValueError) as e:
+        raise BadRequest(400, "unreadable_image", str(e)) from None
+
+
+async def parse_request(raw: bytes, cfg: AgentServeConfig) -> tuple[str, list[Any]]:
+    """(question, images) of a chat-completions body, or ``BadRequest``."""
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise BadRequest(400, "invalid_json", f"body is not JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise BadRequest(400, "invalid_body", "body must be a JSON object")
+    if body.get("model") != cfg.name:
+        raise BadRequest(404, "model_not_found", f"unknown model {body.get('model')!r}; this service serves "
+                                                 f"{cfg.name!r}")
+    if body.get("stream"):
+        raise BadRequest(400, "stream_unsupported", "stream=true is not supported")
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
+        raise BadRequest(400, "invalid_messages", "messages must be a non-empty list of objects")
+    users = [m for m in messages if m.get("role") == "user"]
+    if not users:
+        raise BadRequest(400, "no_user_message", "no message with role 'user'")
+    content = users[-1].get("content")
+    parts = [{"type": "text", "text": content}] if isinstance(content, str) else content
+    if not isinstance(parts, list) or not all(isinstance(p, dict) for p in parts):
+        raise BadRequest(400, "invalid_content", "content must be a string or a list of content parts")
+    texts, urls = [], []
+    for p in parts:
+        if p.get("type") == "text" and isinstance(p.get("text"), str):
+            texts.append(p["text"])
+        elif p.get("type") == "image_url" and isinstance(p.get("image_url"), dict):
+            urls.append(p["image_url"].get("url"))
+        else:
+            raise BadRequest(400, "invalid_content", f"unsupported content part {str(p)[:100]}")
+    question = "\n".join(line for t in texts for line in t.splitlines() if not _NAME_ONLY.match(line)).strip()
+    if not question:
+        raise BadRequest(400, "no_question", "the user message has no question text")
+    if not urls:
+        raise BadRequest(400, "no_image", "the user message has no image_url part: the agent answers questions "
+                                          "about an image")
+    if len(urls) > cfg.max_images:
+        raise BadRequest(413, "too_many_images", f"{len(urls)} images; at most {cfg.max_images}")
+    return question, [await _image(u, cfg) for u in urls]
+
+
+def trajectory_field(traj: Any) -> dict[str, Any]:
+    return {"stop_reason": traj.stop_reason, "fatal": traj.fatal_kth >= 0, "events": list(traj.events),
+            "turns": [{"text": t.text, "action": t.action, "tool": t.tool, "arguments": t.arguments,
+                       "status": t.status, "error_kind": t.error_kind, "observation": t.observation}
+                      for t in traj.turns]}
+
+
+api = FastAPI(title="osvl agent", version="1", description="The osvl agent behind an OpenAI-compatible chat API.")
+
+
+@serve.deployment(ray_actor_options={"num_cpus": 1}, max_ongoing_requests=32)
+@serve.ingress(api)
+class AgentService:
+    def __init__(self, cfg: dict[str, Any], model_path: str, token_sha256: str = "") -> None:
+        from osvl.agent.engines import make_engine
+        from osvl.agent.evaluate import trained_tools
+        from osvl.rl.rollout import offered_tools
+        from osvl.tools.client import make_client
+
+        self.cfg = from_dict(AgentServeConfig, cfg)
+        self.token_sha256 = token_sha256
+        self.engine = make_engine(self.cfg.engine, model_path)
+        self.tools = offered_tools(self.cfg.offer or trained_tools(model_path))
+        if self.cfg.model == "tiny-agent" and not self.cfg.offer:
+            from osvl.agent.scripted import agent_tools
+
+            self.tools = [t.schema for t in agent_tools().values()]  # the short schemas it was fine-tuned with
+        self.client = make_client(self.cfg.tools)
+        self.served = 0
+
+    _authorized = ToolAPI.func_or_class._authorized  # the tool API's bearer check, not a copy
+
+    async def _read(self, request: Request) -> bytes:
+        limit, chunks, size = self.cfg.max_body_bytes, [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size <= limit:
+                chunks.append(chunk)
+            elif size > SWALLOW_FACTOR * limit:  # the tool API's reason: let simple clients see the 413
+                break
+        if size > limit:
+            raise BadRequest(413, "body_too_large", f"body of {size}+ bytes exceeds the limit of {limit}")
+        return b"".join(chunks)
+
+    @api.get("/healthz")
+    async def healthz(self) -> dict[str, Any]:
+        return {"status": "ok", "model": self.cfg.name, "served": self.served}
+
+    @api.get("/v1/models")
+    async def models(self, request: Request) -> JSONResponse:
+        if not self._authorized(request):
+            return error(401, "invalid_token", "missing or wrong bearer token")
+        return JSONResponse({"object": "list", "data": [{"id": self.cfg.name, "object": "model",
+                                                         "owned_by": "osvl"}]})
+
+    @api.post("/v1/chat/completions")
+    async def chat(self, request: Request) -> JSONResponse:
+        from osvl.agent.loop import run_episode
+
+        if not self._authorized(request):
+            return error(401, "invalid_token", "missing or wrong bearer token")
+        try:
+            question, images = await parse_request(await self._read(request), self.cfg)
+        except BadRequest as e:
+            return error(e.status, e.code, str(e))
+        qid = uuid.uuid4().hex[:12]
+        try:
+            traj = await run_episode(self.engine, {"id": qid, "question": question}, images, self.client,
+                                     self.cfg.agent, processor=self.engine.processor, tools=self.tools)
+        except OsvlError as e:  # e.g. an image too large for the context even when downscaled
+            return error(400, "episode_failed", f"{type(e).__name__}: {e}")
+        self.served += 1
+        prompt = sum(1 for m in traj.gen_mask if not m)
+        completion = len(traj.gen_mask) - prompt
+        return JSONResponse({
+            "id": f"chatcmpl-{qid}", "object": "chat.completion", "created": int(time.time()), "model": self.cfg.name,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": traj.final_answer or ""},
+                         "finish_reason": "stop" if traj.stop_reason == "response" else "length"}],
+            "usage": {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion},
+            "osvl_trajectory": trajectory_field(traj)})
+
+
+def make_agent_app(cfg: AgentServeConfig) -> serve.Application:
+    """The application for ``cfg``; the checkpoint is resolved (and the tiny agent built) here, in the driver."""
+    from osvl.eval.job import resolve_model
+
+    token = os.environ.get(cfg.token_env, "")
+    digest = hashlib.sha256(token.encode()).hexdigest() if token else ""
+    return AgentService.bind(dataclasses.asdict(cfg), resolve_model(cfg.model), digest)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m serve.agent_app [--port=N] [--<AgentServeConfig field>=value ...]``: serve until Ctrl-C."""
+    from osvl.cluster import init_ray, start_serve
+    from osvl.config import apply_override
+
+    port, cfg = 0, AgentServeConfig()
+    for arg in list(sys.argv[1:] if argv is None else argv):
+        key, _, value = arg.removeprefix("--").partition("=")
+        if key == "port":
+            port = int(value)
+        else:
+            cfg = apply_override(cfg, key, value)
+    init_ray()
+    port = start_serve(port or None)
+    serve.run(make_agent_app(cfg), name=AGENT_APP, route_prefix="/")
+    print(f"osvl agent on http://127.0.0.1:{port}/v1 (model {cfg.name!r})", flush=True)
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        serve.shutdown()
+
+
+if __name__ == "__main__":
+    main()
