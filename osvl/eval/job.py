@@ -161,7 +161,7 @@ class EvalWorker:
 
     def _client(self, cache_root: str, names: dict[str, str]) -> Any:
         from osvl.agent.evaluate import AliasClient
-        from osvl.rl.rollout import _DelayedClient
+        from osvl.rl.rollout import _MeteredClient
         from osvl.tools.client import ToolClient, make_client
 
         if self.cfg.tools == "http":
@@ -171,7 +171,7 @@ class EvalWorker:
 
             client = ToolClient(CachedInProcess(self.cfg.tool_cache, cache_root))
         if self.cfg.tool_latency_s > 0:
-            client = _DelayedClient(client, self.cfg.tool_latency_s)
+            client = _MeteredClient(client, self.cfg.tool_latency_s)
         return AliasClient(client, names) if names else client
 
     async def _one(self, item: dict[str, Any], mode: str) -> dict[str, Any]:
@@ -233,6 +233,7 @@ def run(cfg: EvalConfig, log: Any = print) -> dict[str, Any]:
     from osvl.config import run_dir
     from osvl.eval.loaders import load_benchmark
     from osvl.eval.report import write_reports
+    from osvl.metrics import Recorder, record_eval_item
 
     check(cfg)
     t0 = time.perf_counter()
@@ -263,6 +264,7 @@ def run(cfg: EvalConfig, log: Any = print) -> dict[str, Any]:
         chat = cfg.model == "oracle" or cfg.model.startswith("openai:")
         path = cfg.processor or resolve_model("tiny") if chat else resolve_model(cfg.model)
         actors = [actor_cls.remote(to_dict(cfg), cache_root, path) for _ in range(min(cfg.num_actors, len(todo)))]
+        metrics = Recorder(JOB, out.name)  # items done and Pass@1 so far, by benchmark and mode (dashboards/)
         size = cfg.inflight
         chunks = [todo[i:i + size] for i in range(0, len(todo), size)]
         pending: dict[Any, int] = {}
@@ -278,6 +280,7 @@ def run(cfg: EvalConfig, log: Any = print) -> dict[str, Any]:
                     pending.pop(ref)
                     for rec in ray.get(ref):
                         f.write(json.dumps(rec, ensure_ascii=False) + "\n")
+                        record_eval_item(metrics, *_key(rec)[:2], bool(rec["correct"]))
                         finished += 1
                     f.flush()
                 log(f"eval: {finished}/{len(todo)} items scored ({time.perf_counter() - t0:.0f} s)")
