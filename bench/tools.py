@@ -1,14 +1,22 @@
-"""Tool throughput: in-process vs Serve deployment handles vs HTTP, and EDSR batched vs unbatched.
+"""Tool throughput: in-process, Serve deployment handles, HTTP, and a plain Serve app over HTTP.
 
     python bench/tools.py [--seconds=3] [--concurrency=8] [--replicas=2] [--tools=crop,sharpen,...]
 
 Every image tool runs on a 512x512 image (EDSR on 128x128 and 256x256 inputs) with the same
 number of concurrent clients on each transport; each cell is completed calls per second over
-``--seconds`` after one warm-up call. Then EDSR at 16 concurrent clients against a batched
-(``@serve.batch`` + one forward pass per batch) and an unbatched deployment with the same
-replica count. The last line is one JSON object; ``ratio`` is handle throughput over in-process
-throughput for sharpen at 512x512 (what a rollout actor pays for running tools in Serve
-instead of in its own process; higher is better).
+``--seconds`` after one warm-up call. Transports: ``inprocess`` (the tool function in a thread),
+``handle`` (the tool's Serve deployment through a handle), ``http`` (the osvl tool API with the
+Python client's default, multipart), ``http_json`` (the same API, base64 JSON) and ``plain``,
+the baseline: a plain one-deployment Serve app (``PlainToolApp``, below: the request a base64
+PNG in JSON, decoded, the registered tool run, the reply encoded the same way, with osvl's own
+PNG codec) with as many replicas as each tool deployment, called over HTTP with base64 JSON.
+Then EDSR at 16 concurrent clients against a batched (``@serve.batch`` + one forward pass per
+batch) and an unbatched deployment with the same replica count.
+
+The last line is one JSON object: ``ratio`` is osvl's HTTP throughput over the plain Serve
+app's for sharpen at 512x512 (what osvl's API costs over the simplest app doing the same work;
+higher is better), ``handle_over_inprocess`` the handle throughput over in-process for sharpen
+(what a rollout actor pays for running tools in Serve), and ``ratios`` both figures per tool.
 
 Images are synthetic or from scikit-image's bundled photos, so the benchmark needs no shared data.
 When the committed EDSR weights are missing, a freshly initialised model of the same
@@ -30,6 +38,36 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from osvl.tools.client import HandleTransport, HttpTransport, InProcessTransport, ToolClient  # noqa: E402
+
+
+def plain_tool_app(tools: dict[str, Any], options: dict[str, Any], replicas: int) -> Any:
+    """The baseline: the simplest Serve app doing the same work, one deployment for every tool.
+
+    ``POST .../<tool>`` with ``{"arguments": ..., "images": {name: base64 PNG}}``; the reply is the
+    tool result with new images as base64 PNG (the shape osvl's JSON client reads).
+    """
+    from ray import serve
+    from starlette.requests import Request
+
+    @serve.deployment(num_replicas=replicas, max_ongoing_requests=8, ray_actor_options={"num_cpus": 0.1})
+    class PlainToolApp:
+        def __init__(self, tools: dict[str, Any], options: dict[str, Any]) -> None:
+            self.tools, self.options = tools, options
+
+        async def __call__(self, request: Request) -> dict[str, Any]:
+            from osvl.tools.base import ToolContext, call_tool
+            from osvl.tools.client import decode_image, result_to_wire
+
+            body = await request.json()
+            tool = self.tools[request.url.path.rsplit("/", 1)[-1]]
+
+            def work() -> dict[str, Any]:
+                images = {k: decode_image(v) for k, v in body.get("images", {}).items()}
+                return result_to_wire(call_tool(tool, body["arguments"], ToolContext(images, options=self.options)))
+
+            return await asyncio.to_thread(work)
+
+    return PlainToolApp.bind(tools, options)
 
 
 def astronaut() -> np.ndarray:
@@ -128,10 +166,15 @@ def main(argv: list[str]) -> dict[str, Any]:
     deployments = {"api": fixed, **{"tool_" + n: fixed for n in names}}
     serve.run(make_app(tools, ServeConfig(tools=names, options=options), deployments), name="osvl_bench",
               route_prefix="/")
+    serve.run(plain_tool_app({n: tools[n] for n in names}, options, opts["replicas"]), name="plain_bench",
+              route_prefix="/plain")
+    url = f"http://127.0.0.1:{port}"
     clients = {
         "inprocess": ToolClient(InProcessTransport(tools, options=options), timeout_s=300),
         "handle": ToolClient(HandleTransport("osvl_bench"), timeout_s=300),
-        "http": ToolClient(HttpTransport(f"http://127.0.0.1:{port}"), timeout_s=300),
+        "http": ToolClient(HttpTransport(url), timeout_s=300),
+        "http_json": ToolClient(HttpTransport(url, binary=False), timeout_s=300),
+        "plain": ToolClient(HttpTransport(url + "/plain", binary=False), timeout_s=300),
     }
     table: dict[str, dict[str, float]] = {}
     failures = 0
@@ -144,8 +187,9 @@ def main(argv: list[str]) -> dict[str, Any]:
                 rate, failed = await throughput(client, tool, args, img, opts["concurrency"], opts["seconds"])
                 table[label][transport] = round(rate, 2)
                 failures += failed
-            print(f"{label:26s} " + "  ".join(f"{t} {v:8.2f}/s" for t, v in table[label].items()), flush=True)
-        await clients["http"].close()
+            print(f"{label:26s} " + "  ".join(f"{t} {v:7.2f}/s" for t, v in table[label].items()), flush=True)
+        for client in clients.values():
+            await client.close()
 
     asyncio.run(run_table())
     batching: dict[str, float] = {}
@@ -168,12 +212,17 @@ def main(argv: list[str]) -> dict[str, Any]:
         print(f"EDSR 128 at 16 clients (handles): batched {batching['batched']}/s, "
               f"unbatched {batching['unbatched']}/s", flush=True)
     serve.shutdown()
-    sharpen = table.get("sharpen 512", {})
+    ratios = {label: {"http_over_plain": round(row["http"] / row["plain"], 3),
+                      "handle_over_inprocess": round(row["handle"] / row["inprocess"], 3)}
+              for label, row in table.items()}
+    sharpen = ratios.get("sharpen 512", {})
     result = {
-        "ratio": round(sharpen["handle"] / sharpen["inprocess"], 3) if sharpen else None,
-        "baseline": "in-process calls at the same client concurrency",
+        "ratio": sharpen.get("http_over_plain"),
+        "baseline": "a plain one-deployment Serve app doing the same tool work over HTTP (base64 PNG JSON), "
+                    "same replicas, same client concurrency",
+        "handle_over_inprocess": sharpen.get("handle_over_inprocess"),
         "concurrency": opts["concurrency"], "replicas": opts["replicas"], "seconds": opts["seconds"],
-        "calls_per_s": table, "edsr_16_clients": batching,
+        "calls_per_s": table, "ratios": ratios, "edsr_16_clients": batching,
         "edsr_batched_over_unbatched": round(batching["batched"] / batching["unbatched"], 3) if batching else None,
         "failed_calls": failures,
     }

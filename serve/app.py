@@ -2,7 +2,7 @@
 
 Layout::
 
-    HTTP ──► api (FastAPI ingress: auth, body/pixel limits, base64, status codes)
+    HTTP ──► api (FastAPI ingress: auth, body/pixel limits, image codec, status codes)
                  │ DeploymentHandle
                  ▼
              tool_crop, tool_sharpen, ..., tool_super_resolution (@serve.batch), tool_ocr (@serve.batch)
@@ -15,11 +15,22 @@ ongoing requests) and only EDSR asks for a GPU. Tool replicas take and return
 ``ToolResult`` objects with numpy arrays, so handle callers skip HTTP and
 base64 entirely; only the ingress converts to and from the wire format.
 
+Wire formats: a call is either base64 JSON (``{"arguments", "images", "new_image_name"}``,
+what curl users write) or ``multipart/form-data`` (an ``arguments`` JSON part and one
+PNG/JPEG/WebP part per image, what ``osvl.tools.client`` sends by default); a client that
+accepts ``multipart/form-data`` gets new images back as PNG parts, otherwise as base64
+JSON. Each image is decoded once (here) and encoded once (here): replicas get and return
+arrays. ``GET /openapi.json`` describes every tool's own request body (``POST
+/v1/tools/<tool>``, its ``arguments`` schema the tool's JSON schema, with a working
+example) beside the generic ``POST /v1/tools/{name}``, so generated clients and fuzzers
+make real calls.
+
 Why the ingress decodes images itself: limits must hold before any work is done.
 The body is read in chunks up to ``max_body_bytes`` (413 past it), and each image
 header is checked against ``max_pixels`` before its pixels are decoded (413).
 Statuses: 200 for ``ok`` and ``tool_error`` results (the call was valid, the
-tool answered), 422 ``invalid_call``, 413 over a limit, 401 without the bearer
+tool answered), 422 ``invalid_call``, 413 over a limit, 415 for a body that is
+neither JSON nor multipart, 401 without the bearer
 token when auth is on, 504 ``timeout``, 503 ``unavailable``. The body of every
 non-2xx answer is still a typed tool result.
 
@@ -47,12 +58,25 @@ import time
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import HTMLResponse, JSONResponse, Response
 from ray import serve
 
 from osvl.config import from_dict, opt
 from osvl.tools.base import MAX_PIXELS, InvalidCall, Tool, ToolContext, ToolResult, call_tool
-from osvl.tools.client import DEPLOYMENT_PREFIX, HTTP_STATUS, decode_image, ray_failure, result_to_wire
+from osvl.tools.client import (
+    DEPLOYMENT_PREFIX,
+    HTTP_STATUS,
+    IMAGE_TYPES,
+    MULTIPART,
+    content_type,
+    decode_image,
+    decode_multipart,
+    image_from_bytes,
+    png_bytes,
+    ray_failure,
+    result_to_multipart,
+    result_to_wire,
+)
 
 APP_NAME = "osvl_tools"
 
@@ -279,16 +303,8 @@ class BatchedToolDeployment(_ToolReplica):
 # ---------------------------------------------------------------------------
 # ingress
 
-REQUEST_SCHEMA = {
-    "type": "object",
-    "properties": {
-        "arguments": {"type": "object", "description": "The tool's arguments (see GET /v1/tools)."},
-        "images": {"type": "object", "additionalProperties": {"type": "string", "format": "byte"},
-                   "description": "Images by name (img_1, ...), base64 PNG/JPEG/WebP."},
-        "new_image_name": {"type": "string", "description": "Name for a new image (default: next img_k)."},
-    },
-    "required": ["arguments"],
-}
+IMAGES_SCHEMA = {"type": "object", "additionalProperties": {"type": "string", "format": "byte"},
+                 "description": "Images by name (img_1, ...), base64 PNG/JPEG/WebP."}
 RESULT_SCHEMA = {
     "type": "object",
     "properties": {
@@ -296,26 +312,131 @@ RESULT_SCHEMA = {
         "text": {"type": "string", "description": "What the agent sees inside <tool_response>."},
         "images": {"type": "object", "additionalProperties": {"type": "string", "format": "byte"}},
         "error": {"type": ["object", "null"], "properties": {
-            "kind": {"type": "string", "enum": list(HTTP_STATUS)}, "message": {"type": "string"}}},
+            "kind": {"type": "string", "enum": list(HTTP_STATUS)}, "message": {"type": "string"},
+            "limit": {"type": "boolean"}}},
         "data": {"type": "object"},
     },
+    "required": ["status", "text", "error"],
 }
-_RESPONSES = {str(code): {"description": why, "content": {"application/json": {"schema": RESULT_SCHEMA}}}
-              for code, why in [(200, "ok or tool_error"), (401, "missing or wrong bearer token"),
-                                (413, "body or image over a limit"), (422, "invalid_call"),
-                                (503, "unavailable"), (504, "timeout")]}
+MULTIPART_RESULT_SCHEMA = {
+    "type": "object", "required": ["result"],
+    "properties": {"result": {**RESULT_SCHEMA, "properties": {**RESULT_SCHEMA["properties"], "images": {
+        "type": "array", "items": {"type": "string"}, "description": "Names of the image parts that follow."}}}},
+    "additionalProperties": {"type": "string", "format": "binary", "description": "A new image, PNG."},
+}
+EXAMPLE_ARGUMENTS = {
+    "crop": {"image": "img_1", "x": 4, "y": 4, "width": 16, "height": 8},
+    "sharpen": {"image": "img_1", "amount": 1.5, "sigma": 2.0},
+    "super_resolution": {"image": "img_1"},
+    "perspective_correct": {"image": "img_1"},
+    "ocr": {"image": "img_1"},
+    "text_search": {"query": "lattice tower on the Champ de Mars", "top_k": 3},
+    "image_search": {"image": "img_1", "top_k": 3},
+}
+"""A valid call of each tool, the example of its OpenAPI operation (fuzzers start from it)."""
 
-api = FastAPI(title="osvl tool API", version="1",
-              description="Tools of the OpenSearch-VL agent (crop, sharpen, super_resolution, "
-                          "perspective_correct, ocr, text_search, image_search) over HTTP.")
+
+def _example_image() -> str:
+    """A 32x32 gradient as base64 PNG: the image of every example call."""
+    import base64
+
+    import numpy as np
+
+    ramp = np.linspace(0, 255, 32)
+    img = np.stack([np.add.outer(ramp, ramp) / 2, np.add.outer(ramp, -ramp) / 2 + 128, np.full((32, 32), 90.0)],
+                   axis=-1).astype(np.uint8)
+    return base64.b64encode(png_bytes(img)).decode("ascii")
 
 
-def _answer(result: ToolResult) -> JSONResponse:
-    if result.ok:
-        code = 200
-    else:
-        code = 413 if result.error.limit else HTTP_STATUS[result.error.kind]
-    return JSONResponse(result_to_wire(result), status_code=code)
+def _operation(summary: str, arguments: dict[str, Any], example: dict[str, Any] | None,
+               parameters: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """One POST operation: the JSON and the multipart request body for ``arguments`` (a JSON schema)."""
+    json_body = {"type": "object", "required": ["arguments"], "additionalProperties": False, "properties": {
+        "arguments": arguments, "images": IMAGES_SCHEMA,
+        "new_image_name": {"type": "string", "description": "Name for a new image (default: next img_k)."}}}
+    multipart_body = {"type": "object", "required": ["arguments"], "properties": {
+        "arguments": arguments, "new_image_name": {"type": "string"}},
+        "additionalProperties": {"type": "string", "format": "binary",
+                                 "description": "One part per image, named img_1, ...: PNG, JPEG or WebP bytes."}}
+    json_content: dict[str, Any] = {"schema": json_body}
+    if example is not None:
+        json_content["example"] = example
+    answer = {"application/json": {"schema": RESULT_SCHEMA}}
+    responses = {str(code): {"description": why, "content": answer}
+                 for code, why in [(401, "missing or wrong bearer token"), (413, "body or image over a limit"),
+                                   (415, "body neither JSON nor multipart/form-data"), (422, "invalid_call"),
+                                   (503, "unavailable"), (504, "timeout")]}
+    responses["200"] = {"description": "ok or tool_error; new images as PNG parts when the client accepts "
+                                       "multipart/form-data, else base64 JSON",
+                        "content": {**answer, MULTIPART: {"schema": MULTIPART_RESULT_SCHEMA}}}
+    op = {"summary": summary, "requestBody": {"required": True, "content": {
+        "application/json": json_content,
+        MULTIPART: {"schema": multipart_body, "encoding": {"arguments": {"contentType": "application/json"}}}}},
+          "responses": responses}
+    if parameters:
+        op["parameters"] = parameters
+    return op
+
+
+def openapi_document(tool_schemas: list[dict[str, Any]], root_path: str = "") -> dict[str, Any]:
+    """The API's OpenAPI 3.1 document: a path per tool whose ``arguments`` schema is the tool's own.
+
+    Written out rather than generated by FastAPI because FastAPI sees one route, ``/v1/tools/{name}``,
+    whose body it cannot type; a fuzzer given that generic body sends arguments no tool accepts.
+    """
+    image = _example_image()
+    names = [t["function"]["name"] for t in tool_schemas]
+    paths: dict[str, Any] = {
+        "/healthz": {"get": {"summary": "Liveness (no token needed)", "responses": {"200": {
+            "description": "up", "content": {"application/json": {"schema": {"type": "object", "properties": {
+                "status": {"type": "string"}, "tools": {"type": "array", "items": {"type": "string"}}}}}}}}}},
+        "/v1/tools": {"get": {"summary": "The tools' JSON schemas", "responses": {
+            "200": {"description": "the tools", "content": {"application/json": {"schema": {
+                "type": "object", "properties": {"tools": {"type": "array", "items": {"type": "object"}}}}}}},
+            "401": {"description": "missing or wrong bearer token",
+                    "content": {"application/json": {"schema": RESULT_SCHEMA}}}}}},
+    }
+    for schema in tool_schemas:
+        fn = schema["function"]
+        params = fn["parameters"]
+        arguments = {**params, "additionalProperties": False}
+        example_args = EXAMPLE_ARGUMENTS.get(fn["name"])
+        example = None
+        if example_args is not None:
+            example = {"arguments": example_args}
+            if "image" in params.get("properties", {}):
+                example["images"] = {"img_1": image}
+        paths[f"/v1/tools/{fn['name']}"] = {"post": _operation(fn["description"], arguments, example)}
+    first = next((n for n in names if n in EXAMPLE_ARGUMENTS), None)
+    generic_example = None
+    if first is not None:
+        generic_example = {"arguments": EXAMPLE_ARGUMENTS[first], "images": {"img_1": image}}
+    any_arguments = {"anyOf": [{**t["function"]["parameters"], "additionalProperties": False} for t in tool_schemas],
+                     "description": "The named tool's arguments (see its own path, or GET /v1/tools)."}
+    paths["/v1/tools/{name}"] = {"post": _operation(
+        "Any tool by name (the same calls as the per-tool paths)", any_arguments, generic_example,
+        [{"name": "name", "in": "path", "required": True, "schema": {"type": "string", "enum": names},
+          **({"example": first} if first else {})}])}
+    doc = {"openapi": "3.1.0", "paths": paths,
+           "info": {"title": "osvl tool API", "version": "1",
+                    "description": "Tools of the OpenSearch-VL agent (crop, sharpen, super_resolution, "
+                                   "perspective_correct, ocr, text_search, image_search) over HTTP."},
+           "components": {"securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}}}
+    if root_path:
+        doc["servers"] = [{"url": root_path}]
+    return doc
+
+
+api = FastAPI(title="osvl tool API", version="1", openapi_url=None, docs_url=None, redoc_url=None)
+
+
+def _answer(result: ToolResult, multipart: bool = False, status: int | None = None) -> Response:
+    if status is None:
+        status = 200 if result.ok else 413 if result.error.limit else HTTP_STATUS[result.error.kind]
+    if multipart and result.images:
+        body, ctype = result_to_multipart(result)
+        return Response(body, status_code=status, media_type=ctype)
+    return JSONResponse(result_to_wire(result), status_code=status)
 
 
 SWALLOW_FACTOR = 4
@@ -324,6 +445,13 @@ SWALLOW_FACTOR = 4
 def _unauthorized() -> JSONResponse:
     result = ToolResult.fail("invalid_call", "missing or wrong bearer token")
     return JSONResponse(result_to_wire(result), status_code=401, headers={"WWW-Authenticate": "Bearer"})
+
+
+def _json(raw: bytes, what: str) -> Any:
+    try:
+        return json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise InvalidCall(f"{what} is not JSON: {e}") from None
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 0.1}, max_ongoing_requests=64,
@@ -365,33 +493,56 @@ class ToolAPI:
             raise InvalidCall(f"body of {size}+ bytes exceeds the limit of {limit}", limit=True)
         return b"".join(chunks)
 
-    def _parse(self, raw: bytes) -> tuple[Any, dict[str, Any], str]:
+    def _parse(self, raw: bytes, header: str) -> tuple[Any, dict[str, Any], str]:
+        """A JSON or multipart body -> (arguments, decoded images, new image name); ``InvalidCall`` if bad."""
         if not raw:
-            raise InvalidCall("empty body; expected {\"arguments\": {...}, \"images\": {...}}")
-        try:
-            body = json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as e:
-            raise InvalidCall(f"body is not JSON: {e}") from None
-        if not isinstance(body, dict):
-            raise InvalidCall(f"body must be a JSON object, got {type(body).__name__}")
-        unknown = sorted(set(body) - {"arguments", "images", "new_image_name"})
-        if unknown:
-            raise InvalidCall(f"unknown body field(s) {unknown}")
-        arguments = body.get("arguments", {})
+            raise InvalidCall("empty body; expected {\"arguments\": {...}, \"images\": {...}} or multipart parts")
+        if content_type(header)[0] == MULTIPART:
+            parts = decode_multipart(raw, header)
+            if "arguments" not in parts:
+                raise InvalidCall(f"multipart call without its 'arguments' part (JSON); got parts {sorted(parts)}")
+            arguments = _json(parts.pop("arguments")[1], "the arguments part")
+            try:
+                new_name = parts.pop("new_image_name", ("", b""))[1].decode()
+            except UnicodeDecodeError:
+                raise InvalidCall("new_image_name must be UTF-8 text") from None
+            for name, (ctype, _) in parts.items():
+                if ctype not in IMAGE_TYPES:
+                    raise InvalidCall(f"part {name!r} is {ctype}; image parts are {', '.join(IMAGE_TYPES)}")
+            images = {name: image_from_bytes(data, self.cfg.max_pixels, name) for name, (_, data) in parts.items()}
+        else:
+            body = _json(raw, "body")
+            if not isinstance(body, dict):
+                raise InvalidCall(f"body must be a JSON object, got {type(body).__name__}")
+            unknown = sorted(set(body) - {"arguments", "images", "new_image_name"})
+            if unknown:
+                raise InvalidCall(f"unknown body field(s) {unknown}")
+            arguments = body.get("arguments", {})
+            images_b64 = body.get("images", {})
+            if not isinstance(images_b64, dict):
+                raise InvalidCall(f"images must be a JSON object of name -> base64, got {type(images_b64).__name__}")
+            new_name = body.get("new_image_name", "")
+            if not isinstance(new_name, str):
+                raise InvalidCall("new_image_name must be a string")
+            images = {name: decode_image(b64, self.cfg.max_pixels, name) for name, b64 in images_b64.items()}
         if not isinstance(arguments, dict):
             raise InvalidCall(f"arguments must be a JSON object, got {type(arguments).__name__}")
-        images_b64 = body.get("images", {})
-        if not isinstance(images_b64, dict):
-            raise InvalidCall(f"images must be a JSON object of name -> base64, got {type(images_b64).__name__}")
-        new_name = body.get("new_image_name", "")
-        if not isinstance(new_name, str):
-            raise InvalidCall("new_image_name must be a string")
-        images = {name: decode_image(b64, self.cfg.max_pixels, name) for name, b64 in images_b64.items()}
         return arguments, images, new_name
 
     @api.get("/healthz")
     async def healthz(self) -> dict[str, Any]:
         return {"status": "ok", "tools": sorted(self.handles)}
+
+    @api.get("/openapi.json")
+    async def openapi(self, request: Request) -> JSONResponse:
+        return JSONResponse(openapi_document(self.tool_schemas, request.scope.get("root_path", "")))
+
+    @api.get("/docs")
+    async def docs(self, request: Request) -> HTMLResponse:
+        from fastapi.openapi.docs import get_swagger_ui_html
+
+        return get_swagger_ui_html(openapi_url=request.scope.get("root_path", "") + "/openapi.json",
+                                   title="osvl tool API")
 
     @api.get("/v1/tools")
     async def list_tools(self, request: Request) -> JSONResponse:
@@ -403,17 +554,20 @@ class ToolAPI:
         """Handle callers (``HandleTransport.schemas``) get the same list without HTTP."""
         return self.tool_schemas
 
-    @api.post("/v1/tools/{name}", responses=_RESPONSES,
-              openapi_extra={"requestBody": {"required": True, "content": {
-                  "application/json": {"schema": REQUEST_SCHEMA}}}})
-    async def call(self, name: str, request: Request) -> JSONResponse:
+    @api.post("/v1/tools/{name}")
+    async def call(self, name: str, request: Request) -> Response:
         if not self._authorized(request):
             return _unauthorized()
+        header = request.headers.get("content-type", "")
+        multipart = MULTIPART in request.headers.get("accept", "")
         try:
             raw = await self._read_body(request)
+            if content_type(header)[0] not in ("application/json", MULTIPART):
+                return _answer(ToolResult.fail("invalid_call", f"Content-Type {header or '(none)'} is neither "
+                                               f"application/json nor {MULTIPART}"), status=415)
             if name not in self.handles:
                 raise InvalidCall(f"unknown tool {name!r}; known: {sorted(self.handles)}")
-            arguments, images, new_name = await asyncio.to_thread(self._parse, raw)
+            arguments, images, new_name = await asyncio.to_thread(self._parse, raw, header)
         except InvalidCall as e:
             return _answer(ToolResult.fail("invalid_call", str(e), limit=e.limit))
         response = self.handles[name].remote(arguments, images, new_name)
@@ -425,7 +579,7 @@ class ToolAPI:
         except Exception as e:  # noqa: BLE001 - typed by ray_failure
             result = ray_failure(name, e)
         if result.ok and result.images:
-            return await asyncio.to_thread(_answer, result)  # PNG encoding is CPU work
+            return await asyncio.to_thread(_answer, result, multipart)  # PNG encoding is CPU work
         return _answer(result)
 
 

@@ -23,9 +23,15 @@ from osvl.tools.client import (
     InProcessTransport,
     ToolClient,
     decode_image,
+    decode_multipart,
     encode_image,
+    encode_multipart,
+    image_from_bytes,
     make_client,
+    png_bytes,
+    result_from_multipart,
     result_from_wire,
+    result_to_multipart,
     result_to_wire,
 )
 
@@ -111,6 +117,55 @@ def test_wire_roundtrip_of_results():
     assert err.error.kind == "invalid_call" and err.error.limit and err.text == "Error (invalid_call): too big"
     assert result_from_wire({"detail": "nope"}).error.kind == "unavailable"
     assert result_from_wire({"status": "error", "error": {"kind": "weird"}}).error.kind == "unavailable"
+
+
+def test_multipart_roundtrip_of_calls_and_results():
+    img = rgb()
+    body, ctype = encode_multipart([("arguments", "application/json", b'{"image": "img_1"}'),
+                                    ("img_1", "image/png", png_bytes(img))])
+    assert ctype.startswith("multipart/form-data; boundary=osvl-")
+    parts = decode_multipart(body, ctype)
+    assert list(parts) == ["arguments", "img_1"] and parts["arguments"] == ("application/json", b'{"image": "img_1"}')
+    assert parts["img_1"][0] == "image/png" and np.array_equal(image_from_bytes(parts["img_1"][1]), img)
+    # what curl -F and requests write: quoted boundary, preamble, no part content type, an epilogue
+    curl = (b"preamble\r\n--XyZ\r\nContent-Disposition: form-data; name=\"arguments\"\r\n\r\n{}\r\n"
+            b"--XyZ--\r\nepilogue")
+    assert decode_multipart(curl, 'multipart/form-data; boundary="XyZ"') == {"arguments": ("text/plain", b"{}")}
+    ok = ToolResult("ok", "Flipped.", {"img_2": rgb(), "img_3": rgb(seed=1)}, data={"boxes": [[1, 2]]})
+    back = result_from_multipart(*result_to_multipart(ok))
+    assert back.ok and back.text == "Flipped." and back.data == {"boxes": [[1, 2]]}
+    assert all(np.array_equal(back.images[k], ok.images[k]) for k in ok.images)
+    err = result_from_multipart(*result_to_multipart(ToolResult.fail("invalid_call", "too big", limit=True)))
+    assert err.error.kind == "invalid_call" and err.error.limit
+
+
+@pytest.mark.parametrize("body, ctype, why", [
+    (b"--b\r\nContent-Disposition: form-data; name=\"a\"\r\n\r\n1\r\n--b--", "application/json",
+     "expected multipart/form-data"),
+    (b"--b\r\nContent-Disposition: form-data; name=\"a\"\r\n\r\n1\r\n--b--", "multipart/form-data", "boundary"),
+    (b"no delimiter anywhere", "multipart/form-data; boundary=b", "without its boundary"),
+    (b"--b\r\nContent-Disposition: form-data; name=\"a\"\r\n\r\n1", "multipart/form-data; boundary=b",
+     "truncated"),
+    (b"--b\r\nContent-Disposition: form-data; name=\"a\"\r\n1\r\n--b--", "multipart/form-data; boundary=b",
+     "no blank line"),
+    (b"--b\r\nContent-Type: text/plain\r\n\r\n1\r\n--b--", "multipart/form-data; boundary=b", "name="),
+    (b"--b\r\nContent-Disposition: form-data; name=\"a\"\r\n\r\n1\r\n--b\r\n"
+     b"Content-Disposition: form-data; name=\"a\"\r\n\r\n2\r\n--b--", "multipart/form-data; boundary=b",
+     "appears twice"),
+    (b"--b\r\nbroken header\r\n\r\n1\r\n--b--", "multipart/form-data; boundary=b", "malformed multipart header"),
+])
+def test_decode_multipart_rejects_malformed_bodies_with_a_typed_error(body, ctype, why):
+    with pytest.raises(InvalidCall) as e:
+        decode_multipart(body, ctype)
+    assert why in str(e.value)
+
+
+def test_multipart_names_that_would_break_the_header_are_refused():
+    with pytest.raises(ValueError, match="part name"):
+        encode_multipart([('img"\r\n', "image/png", b"")])
+    garbled = result_from_multipart(b"--b\r\nContent-Disposition: form-data; name=\"result\"\r\n\r\n{}\r\n--b--",
+                                    "multipart/form-data; boundary=b")
+    assert garbled.error.kind == "unavailable"
 
 
 def test_inprocess_transport_calls_validates_and_times_out():

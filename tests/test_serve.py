@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 from test_client import bomb_png
 
-from osvl.tools.client import HandleTransport, HttpTransport, ToolClient, encode_image
+from osvl.tools.client import HandleTransport, HttpTransport, ToolClient, encode_image, encode_multipart, png_bytes
 
 pytestmark = pytest.mark.slow
 
@@ -86,8 +86,19 @@ def test_health_tool_list_and_openapi(api):
     status, spec = raw(f"{api}/openapi.json")
     assert status == 200 and spec["info"]["title"] == "osvl tool API"
     post = spec["paths"]["/v1/tools/{name}"]["post"]
-    assert {"200", "413", "422", "503", "504"} <= set(post["responses"])
+    assert {"200", "413", "415", "422", "503", "504"} <= set(post["responses"])
     assert "images" in post["requestBody"]["content"]["application/json"]["schema"]["properties"]
+    for schema in listing["tools"]:  # one path per tool, its arguments the tool's own schema, a working example
+        fn = schema["function"]
+        body = spec["paths"][f"/v1/tools/{fn['name']}"]["post"]["requestBody"]["content"]
+        assert body["application/json"]["schema"]["properties"]["arguments"]["properties"] == \
+            fn["parameters"]["properties"]
+        assert body["multipart/form-data"]["encoding"]["arguments"]["contentType"] == "application/json"
+        example = body["application/json"]["example"]
+        status, answer = raw(f"{api}/v1/tools/{fn['name']}", json.dumps(example).encode())
+        assert status == 200 and answer["status"] == "ok", (fn["name"], answer)
+    with urllib.request.urlopen(f"{api}/docs", timeout=30) as resp:
+        assert b"/openapi.json" in resp.read()
 
 
 # ---------------------------------------------------------------------------
@@ -172,6 +183,23 @@ def test_image_search_answers_with_a_crop_of_a_known_photo(api, shared_data):
     assert "Colosseum" in r.text.splitlines()[1], r.text
 
 
+def test_json_and_multipart_calls_give_the_same_result(api, shared_data):
+    img = read_rgb(shared_data / "images" / "opencv" / "messi5.jpg")[:200, :300]
+
+    async def run():
+        out = []
+        for binary in (True, False):
+            async with ToolClient(HttpTransport(api, binary=binary), timeout_s=120) as client:
+                out.append(await client.call("sharpen", {"image": "img_1"}, {"img_1": img, "img_2": img[:10]},
+                                             new_image_name="img_7"))
+        return out
+
+    multipart, plain = asyncio.run(run())
+    assert multipart.ok and plain.ok and list(multipart.images) == list(plain.images) == ["img_7"]
+    assert multipart.text == plain.text and np.array_equal(multipart.images["img_7"], plain.images["img_7"])
+    assert multipart.images["img_7"].shape == img.shape
+
+
 def test_handle_transport_gives_the_same_result_without_http(api, shared_data):
     img = read_rgb(shared_data / "images" / "opencv" / "messi5.jpg")[:200, :300]
 
@@ -200,12 +228,32 @@ def test_handle_transport_gives_the_same_result_without_http(api, shared_data):
 # bad input: typed 4xx, never a 5xx, the app stays healthy
 
 
-def _bad_requests(shared_data: Path) -> list[tuple[str, str, bytes, int]]:
+def _bad_requests(shared_data: Path) -> list[tuple[str, str, bytes, int] | tuple[str, str, bytes, int, str]]:
+    """(why, tool, body, expected status[, Content-Type]); the Content-Type is JSON unless given."""
     img = read_rgb(shared_data / "images" / "opencv" / "messi5.jpg")[:64, :96]
     good = encode_image(img)
     crop = {"image": "img_1", "x": 0, "y": 0, "width": 10, "height": 10}
     big_png = base64.b64encode(bomb_png(20_000, 20_000)).decode()
-    return [
+    args = ("arguments", "application/json", json.dumps(crop).encode())
+    png = ("img_1", "image/png", png_bytes(img))
+    whole, whole_type = encode_multipart([args, png])
+    multipart = [
+        ("multipart: garbage body", b"\x00garbage\xff" * 100, whole_type, 422),
+        ("multipart: no boundary parameter", whole, "multipart/form-data", 422),
+        ("multipart: truncated", whole[:len(whole) // 2], whole_type, 422),
+        ("multipart: no arguments part", *encode_multipart([png]), 422),
+        ("multipart: arguments not JSON", *encode_multipart([("arguments", "application/json", b"{x"), png]), 422),
+        ("multipart: arguments a list", *encode_multipart([("arguments", "application/json", b"[1]"), png]), 422),
+        ("multipart: image part of type text", *encode_multipart([args, ("img_1", "text/plain", b"hello")]), 422),
+        ("multipart: image part not an image", *encode_multipart([args, ("img_1", "image/png", b"%PDF-1.4")]), 422),
+        ("multipart: image part missing", *encode_multipart([args]), 422),
+        ("multipart: 20000x20000 PNG part",
+         *encode_multipart([args, ("img_1", "image/png", bomb_png(20_000, 20_000))]), 413),
+        ("multipart: duplicate part", *encode_multipart([args, args, png]), 422),
+        ("wrong content type: text/plain", json.dumps({"arguments": crop}).encode(), "text/plain", 415),
+        ("wrong content type: a raw PNG", png[2], "image/png", 415),
+    ]
+    return [(why, "crop", data, expected, ctype) for why, data, ctype, expected in multipart] + [
         ("invalid base64", "crop", json.dumps({"arguments": crop, "images": {"img_1": "@@not base64@@"}}).encode(),
          422),
         ("non-image bytes", "crop", json.dumps({"arguments": crop, "images": {
@@ -236,8 +284,8 @@ def _bad_requests(shared_data: Path) -> list[tuple[str, str, bytes, int]]:
 
 def test_bad_input_gets_typed_4xx_and_the_app_stays_healthy(api, shared_data):
     failures = []
-    for why, tool, data, expected in _bad_requests(shared_data):
-        status, answer = raw(f"{api}/v1/tools/{tool}", data)
+    for why, tool, data, expected, *ctype in _bad_requests(shared_data):
+        status, answer = raw(f"{api}/v1/tools/{tool}", data, {"Content-Type": ctype[0]} if ctype else None)
         ok = (status == expected and answer["status"] == "error" and answer["error"]["kind"] == "invalid_call"
               and answer["text"].startswith("Error (invalid_call): "))
         if not ok:

@@ -101,8 +101,8 @@ def test_start_and_call_with_curl(env):
         _stop(proc)
     assert out[0].startswith('{"status":"ok","tools":[')
     assert {"crop", "sharpen", "super_resolution", "perspective_correct", "ocr"} <= set(out[1].split())
-    assert out[2] == "ok Cropped img_1 to 200x120 as img_2. img_2"
-    assert out[3] == "422"
+    assert out[2] == out[3] == "ok Cropped img_1 to 200x120 as img_2. img_2"  # JSON, then multipart (curl -F)
+    assert out[4] == "422"
 
 
 def test_token_backend_options_and_official_edsr_layout(env, tmp_path):
