@@ -9,7 +9,7 @@ Why dataclasses and not a config framework: the whole contract fits in this file
 every field is documented where it is declared (``opt(default, "doc")``), and an
 unknown key or a wrong type fails loudly *before* any cluster starts.
 
-Run-root convention (ARCHITECTURE.md): every job writes under
+Run-root convention (docs/design.md): every job writes under
 ``<run_root>/<job>/<config hash>/`` and saves its resolved config there as
 ``config.yaml``, so an identical rerun finds and reuses what an earlier one made.
 The hash skips fields declared with ``opt(..., hashed=False)`` (paths of where to

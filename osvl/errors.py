@@ -9,7 +9,7 @@ exists for code that prefers raising, and carries the same ``kind``.
 from __future__ import annotations
 
 TOOL_ERROR_KINDS = ("invalid_call", "tool_error", "timeout", "unavailable")
-"""The four failure kinds of ARCHITECTURE.md; a failed agent step has exactly one."""
+"""The four failure kinds of docs/design.md; a failed agent step has exactly one."""
 
 
 class OsvlError(Exception):

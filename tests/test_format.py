@@ -6,6 +6,7 @@ import json
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -40,7 +41,7 @@ TOOLS = [
 ]
 NAMES = {"image_search", "crop", "text_search"}
 
-# ARCHITECTURE.md, "Chat format", verbatim (a test below checks this copy against the doc when present).
+# docs/design.md, "Chat format", verbatim (a test below checks this copy against the doc).
 VERBATIM = """\
 <|im_start|>system
 …tool schemas…<|im_end|>
@@ -110,11 +111,8 @@ def test_verbatim_example_renders_byte_exact():
     assert render(EXAMPLE, TOOLS, add_generation_prompt=True) == expected + "<|im_start|>assistant\n"
 
 
-def test_verbatim_copy_matches_architecture_doc(shared_data):
-    doc = shared_data.parent / "ARCHITECTURE.md"
-    if not doc.is_file():
-        pytest.skip("ARCHITECTURE.md not next to the shared data")
-    text = doc.read_text()
+def test_verbatim_copy_matches_the_design_doc():
+    text = (Path(__file__).resolve().parents[1] / "docs" / "design.md").read_text()
     block = re.search(r"Verbatim shape of one exchange.*?```\n(.*?)```", text, re.S)
     assert block is not None
     assert block.group(1) == VERBATIM

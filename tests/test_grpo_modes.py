@@ -1,7 +1,7 @@
 """The four ablation modes on one fixed batch holding fatal trajectories, through the real tiny VLM.
 
 The gradient of the loss with respect to each token's log-prob says exactly which
-tokens the mode trains and with what weight; it is compared with ARCHITECTURE.md's
+tokens the mode trains and with what weight; it is compared with docs/design.md's
 per-mode table: ``vanilla`` trains post-fatal tokens, ``fatal_mask`` does not,
 ``hard_mask`` gives a fatal trajectory no gradient at all, and the clamp turns a
 fatal trajectory's negative advantage into 0 while a positive one is kept.

@@ -1,4 +1,4 @@
-"""Fatal-aware GRPO math against hand-computed values (ARCHITECTURE.md, per-mode table)."""
+"""Fatal-aware GRPO math against hand-computed values (docs/design.md, per-mode table)."""
 
 from __future__ import annotations
 

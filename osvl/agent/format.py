@@ -1,4 +1,4 @@
-"""The chat format of ARCHITECTURE.md: special tokens, rendering, parsing, format check.
+"""The chat format of docs/design.md: special tokens, rendering, parsing, format check.
 
 This module is the single source of truth for how a conversation becomes text.
 SFT, RL, eval and serving all render through ``render`` (or ``CHAT_TEMPLATE``, its

@@ -2,7 +2,7 @@
 
 The same loop serves RL rollouts, teacher data, eval and ``jobs/ask.py``. With a token
 engine it records a *policy* trajectory token for token: the ids the engine consumed and
-produced, in the chat format of ARCHITECTURE.md, with the behaviour log-probs. With a chat
+produced, in the chat format of docs/design.md, with the behaviour log-probs. With a chat
 engine (a teacher) it records a *teacher* trajectory: the same conversation, each assistant
 text tokenized once with the student's tokenizer and processor, no log-probs.
 

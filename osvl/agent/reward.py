@@ -1,4 +1,4 @@
-"""Scoring a trajectory: r_fmt, r_acc, r_query and the reward of ARCHITECTURE.md.
+"""Scoring a trajectory: r_fmt, r_acc, r_query and the reward of docs/design.md.
 
     reward = r_fmt * (alpha * r_acc + (1 - alpha) * r_query),   alpha = 0.8
 
@@ -65,7 +65,7 @@ class RewardConfig:
     query_scorer: str = opt("rule", f"r_query: one of {QUERY_SCORERS} (llm = the process judge).")
     prefix_end: str = opt("cascade", "Where the pre-fatal prefix ends: 'cascade' (first failure of the fatal run, "
                                      "released code) or 'kth' (the K-th failure, the paper's formula).")
-    fmt_scope: str = opt("prefix", "r_fmt over the pre-fatal 'prefix' (ARCHITECTURE.md) or the whole 'episode', the "
+    fmt_scope: str = opt("prefix", "r_fmt over the pre-fatal 'prefix' (docs/design.md) or the whole 'episode', the "
                                    "fatal cascade's unparsable turns counted (see the module docstring).")
 
     def check(self) -> None:

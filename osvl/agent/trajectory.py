@@ -56,7 +56,7 @@ class Turn:
 
 @dataclass
 class Trajectory:
-    """One episode, token-exact (see the module docstring and ARCHITECTURE.md)."""
+    """One episode, token-exact (see the module docstring and docs/design.md)."""
 
     id: str
     question_id: str

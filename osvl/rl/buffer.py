@@ -8,7 +8,7 @@ exactly one learner step or dropped with a logged reason, never both and never
 twice (the ledger enforces it, and a late duplicate from a presumed-dead actor is
 refused).
 
-Staleness, ARCHITECTURE.md: a group trains step s only if the oldest policy
+Staleness, docs/design.md: a group trains step s only if the oldest policy
 version among its turns is >= s - max_staleness. The buffer makes this hold by
 construction instead of by dropping: a slot of step s is issued only once the
 learner has published version >= s - max_staleness, and the actor must sync to at

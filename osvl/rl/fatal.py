@@ -1,6 +1,6 @@
 """Fatal steps and token masks: where a multi-turn trajectory stops deserving gradient.
 
-Definitions (ARCHITECTURE.md, "Fatal-aware GRPO"): a *failed step* is an assistant
+Definitions (docs/design.md, "Fatal-aware GRPO"): a *failed step* is an assistant
 turn whose tool result is an error of a counted kind, or a turn that does not
 parse (``invalid_call``). A trajectory is *fatal* when K consecutive steps fail;
 the K-th failure is the fatal step. Tokens from the *mask start* on get no

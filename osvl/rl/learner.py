@@ -1,7 +1,7 @@
 """The GRPO learner: one optimisation step on a batch of scored policy trajectories.
 
 Two layers. ``grpo_loss`` turns per-token log-probs and a batch's per-row
-fields into the fatal-aware loss of ARCHITECTURE.md, by calling the pure math of
+fields into the fatal-aware loss of docs/design.md, by calling the pure math of
 ``osvl.rl.fatal`` / ``osvl.rl.loss`` in the one order the definition fixes:
 group statistics over all G first, then the mode's clamp/drop, then the token
 mask. ``Learner`` owns the model, the optimiser (a DeepSpeed engine under Ray
@@ -33,10 +33,10 @@ from osvl.rl.loss import MODES, LossOutput, apply_mode, group_advantages, loss_d
 
 @dataclass
 class RLConfig:
-    """The fatal-aware GRPO knobs (defaults: ARCHITECTURE.md's table)."""
+    """The fatal-aware GRPO knobs (defaults: docs/design.md's table)."""
 
     mode: Literal["vanilla", "hard_mask", "fatal_mask", "fatal_mask_clamp"] = opt(
-        "fatal_mask_clamp", "Ablation mode (per-mode table in ARCHITECTURE.md).")
+        "fatal_mask_clamp", "Ablation mode (per-mode table in docs/design.md).")
     mask_at: Literal["cascade", "kth"] = opt(
         "cascade", "Where the token mask starts on a fatal trajectory: first failed step of the cascade "
         "(released code) or the K-th failure (paper's formula).")

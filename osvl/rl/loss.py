@@ -1,6 +1,6 @@
 """Fatal-aware GRPO as pure tensor functions: rewards, group advantages, the clamp, the loss.
 
-The precise math is ARCHITECTURE.md's "Fatal-aware GRPO". For a group of G
+The precise math is docs/design.md's "Fatal-aware GRPO". For a group of G
 trajectories of one question:
 
     r_i   = r_fmt,i · (α·r_acc,i + (1−α)·r_query,i)      r_acc = 0 when fatal

@@ -7,7 +7,7 @@ shape (H, W, 3); arguments name them by reference (``"image": "img_2"``) and
 coordinates are in that image's own pixels.
 
 Errors are values, not strings to guess from: a tool that fails returns
-``ToolResult.fail(kind, message)`` with one of the four kinds of ARCHITECTURE.md.
+``ToolResult.fail(kind, message)`` with one of the four kinds of docs/design.md.
 Validation failures (unknown tool, wrong types, out-of-range numbers, an image
 reference that does not exist) are ``invalid_call``; inputs over a configured
 limit are ``invalid_call`` with ``limit=True`` so the HTTP layer can answer 413.
@@ -44,7 +44,7 @@ class ToolError:
 
 @dataclass
 class ToolResult:
-    """``{status, text, images, error}`` of ARCHITECTURE.md; ``images`` maps new names to arrays."""
+    """``{status, text, images, error}`` of docs/design.md; ``images`` maps new names to arrays."""
 
     status: str
     text: str = ""

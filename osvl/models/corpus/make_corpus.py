@@ -4,7 +4,7 @@
 
 Three parts, all deterministic: lead paragraphs of every 20th Wikispeedia article (Wikipedia for
 Schools 2007), "title: description. first sentence" lines of every 8th Wikidata/Wikipedia summary,
-and agent exchanges in the chat format of ARCHITECTURE.md, so that JSON punctuation, tool names and
+and agent exchanges in the chat format of docs/design.md, so that JSON punctuation, tool names and
 ``img_k`` references get merges of their own. The format tags themselves need no training text: the
 tokenizer adds them as single tokens. See ATTRIBUTION.md for sources and licences.
 """
@@ -75,7 +75,7 @@ def wikidata_lines(path: Path) -> list[str]:
 
 
 def exchange(rng: random.Random, facts: list[str]) -> str:
-    """One episode in the verbatim shape of ARCHITECTURE.md, with made-up (not true) content."""
+    """One episode in the verbatim shape of docs/design.md, with made-up (not true) content."""
     title, _, rest = rng.choice(facts).partition(": ")
     turns = [f"{fmt.IM_START}system\nYou have tools:\n{json.dumps(rng.sample(TOOLS, 3))}{fmt.IM_END}",
              f"{fmt.IM_START}user\n{fmt.IMAGE_TOKENS}img_1\nWhat is shown in the image, and {rest[:60]}?{fmt.IM_END}"]
