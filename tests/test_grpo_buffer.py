@@ -136,3 +136,22 @@ def test_rewind_for_a_restarted_learner():
         return await b.take(0)
 
     assert len(run(go())) == 1
+
+
+def test_a_dead_actors_parked_acquire_takes_no_slot():
+    """An acquire() a rollout actor sent before its node died can still be parked on the staleness gate; woken
+    after release_actor(), it must not take the next slot (nobody would fill it and the learner would wait
+    forever: seen on a multi-node run when a node was killed between two steps)."""
+    async def go():
+        b = TrajectoryBuffer(n_questions=5, groups_per_step=1, total_steps=3, max_staleness=0)
+        w0 = await b.acquire("a")
+        parked = asyncio.create_task(b.acquire("b"))  # step 1 needs version 1: parked
+        await asyncio.sleep(0.01)
+        assert await b.release_actor("b", "node died") == []  # b held nothing in flight
+        assert await b.put("a", w0.slot, w0.attempt, _group(w0, 0)) == "ready"
+        await b.take(0)
+        await b.advance(1)
+        assert await asyncio.wait_for(parked, 1) is None  # the dead actor's call returns empty-handed
+        w1 = await b.acquire("b~1")  # its replacement gets the slot
+        assert w1.step == 1 and b.ledger()[w1.group_id]["actor"] == "b~1"
+    run(go())

@@ -81,6 +81,9 @@ class TrajectoryBuffer:
         self.log: list[str] = []             # drops and re-issues, human-readable, checkpointed
         self.taken: dict[int, list[list[Any]]] = {}  # step -> groups (idempotent take for all learner ranks)
         self.aborted = ""          # set by abort(): the run cannot go on (no rollout actor can start)
+        # Actors released as dead. A dead actor's acquire() can still be waiting here (submitted before it
+        # died, parked on the staleness gate): once woken it must not take a slot nobody will ever fill.
+        self.dead: set[str] = set()
         self._cond: asyncio.Condition | None = None
 
     # -- data cursor -------------------------------------------------------
@@ -116,7 +119,7 @@ class TrajectoryBuffer:
         deadline = None if timeout is None else time.monotonic() + timeout
         async with self.cond:
             while True:
-                if self.aborted:
+                if self.aborted or actor in self.dead:
                     return None
                 if self.reissue:
                     slot = self.reissue.popleft()
@@ -175,6 +178,7 @@ class TrajectoryBuffer:
     async def release_actor(self, actor: str, reason: str) -> list[int]:
         """A rollout actor died: its slots in flight go back for re-issue (or are dropped after max_attempts)."""
         async with self.cond:
+            self.dead.add(actor)
             out = []
             for slot, s in sorted(self.slots.items()):
                 if s.state == "issued" and s.actor == actor:
