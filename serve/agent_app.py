@@ -47,7 +47,7 @@ from osvl.agent.loop import AgentConfig
 from osvl.config import from_dict, opt
 from osvl.errors import FetchRefused, InvalidCall, OsvlError
 from osvl.tools.client import MAX_PIXELS, decode_image
-from serve.app import SWALLOW_FACTOR, ToolAPI
+from serve.app import SWALLOW_FACTOR, ToolAPI, serve_until_interrupted
 
 AGENT_APP = "osvl_agent"
 _NAME_ONLY = re.compile(r"^\s*img_\d+\s*$")
@@ -270,11 +270,7 @@ def main(argv: list[str] | None = None) -> None:
     port = start_serve(port or None)
     serve.run(make_agent_app(cfg), name=AGENT_APP, route_prefix="/")
     print(f"osvl agent on http://127.0.0.1:{port}/v1 (model {cfg.name!r})", flush=True)
-    try:
-        while True:
-            time.sleep(3600)
-    except KeyboardInterrupt:
-        serve.shutdown()
+    serve_until_interrupted()
 
 
 if __name__ == "__main__":

@@ -681,6 +681,11 @@ def main(argv: list[str] | None = None) -> None:
     port = start_serve(port or None)
     serve.run(make_app(tools, cfg, deployments), name=APP_NAME, route_prefix="/")
     print(f"osvl tool API on http://127.0.0.1:{port} (OpenAPI: /docs, /openapi.json)", flush=True)
+    serve_until_interrupted()
+
+
+def serve_until_interrupted() -> None:
+    """Keep this driver alive until Ctrl-C: the Serve apps it ran are shut down with it."""
     try:
         while True:
             time.sleep(3600)
