@@ -528,10 +528,11 @@ def record_metrics(rec: Any, row: Mapping[str, Any], steps: int) -> None:
     """Export a step's figures through Ray's metric API (specs in osvl/metrics.py) with the run's labels."""
     from osvl import metrics as M
 
-    for part in ("reward", "r_fmt", "r_acc", "r_query"):
-        rec.set(M.RL_REWARD, row[part], part=part)
-    rec.set(M.RL_ACCURACY, row["accuracy"])
-    rec.set(M.RL_FATAL_RATE, row["fatal_rate"])
+    if row["trajectories"]:  # a step whose groups were all dropped has no rates: a 0 would be a false dip
+        for part in ("reward", "r_fmt", "r_acc", "r_query"):
+            rec.set(M.RL_REWARD, row[part], part=part)
+        rec.set(M.RL_ACCURACY, row["accuracy"])
+        rec.set(M.RL_FATAL_RATE, row["fatal_rate"])
     rec.set(M.RL_BUFFER_DEPTH, row["buffer_ready"])
     rec.observe(M.RL_WEIGHT_SYNC, row["weight_sync_s"])
     rec.set(M.RL_STEPS_LEFT, steps - row["step"])
