@@ -88,6 +88,11 @@ def test_score_trajectory_rewards_and_fatal_prefix():
     t = asyncio.run(score_trajectory(traj([GOOD[0], *fail], final=None, stop="fatal", fatal=(1, 3)), QUESTION,
                                      RewardConfig(prefix_end="kth")))
     assert t.r_query == pytest.approx(0.5 * 0.0 + 0.25)
+    # a fatal episode that went on (stop_on_fatal off) and answered right still gets r_acc 0
+    t = asyncio.run(score_trajectory(traj([GOOD[0], *fail, turn(4)], fatal=(1, 3)), QUESTION, cfg))
+    assert t.r_acc == 0.0 and t.reward == pytest.approx(0.2 * 0.25)
+    with pytest.raises(ConfigError, match="mask start"):
+        asyncio.run(score_trajectory(traj(list(GOOD)), QUESTION, RewardConfig(prefix_end="last")))
     # fmt_scope="episode": an unparsable cascade right after a good first turn no longer scores r_fmt 1.0
     # (the prefix rule pays a policy that cannot answer yet for dying early), and it ranks below a
     # non-fatal episode that keeps parsing between its mistakes

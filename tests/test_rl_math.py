@@ -7,8 +7,9 @@ import math
 import pytest
 import torch
 
-from osvl.rl.fatal import NOT_FATAL, Fatal, find_fatal, prefix_turn_mask, token_mask
-from osvl.rl.loss import MODES, apply_mode, combine_rewards, group_advantages, kl_k3, policy_loss
+from osvl.agent.fatal import NOT_FATAL, Fatal, find_fatal, mask_start
+from osvl.errors import ConfigError
+from osvl.rl.loss import MODES, apply_mode, group_advantages, kl_k3, policy_loss, token_mask
 
 T, F = True, False
 
@@ -25,14 +26,13 @@ def test_find_fatal(failed, k, expected):
     assert find_fatal(failed, k) == expected
 
 
-def test_mask_start_modes_and_prefix():
-    f = Fatal(cascade_start=2, kth_failure=4)
-    assert f.mask_start("cascade") == 2 and f.mask_start("kth") == 4
-    with pytest.raises(ValueError):
-        f.mask_start("nope")
-    with pytest.raises(ValueError):
+def test_mask_start_modes():
+    assert mask_start(2, 4, "cascade") == 2 and mask_start(2, 4, "kth") == 4
+    assert mask_start(-1, -1, "cascade") == NOT_FATAL == mask_start(-1, -1, "kth")
+    with pytest.raises(ConfigError, match="mask start"):
+        mask_start(2, 4, "nope")
+    with pytest.raises(ConfigError):
         find_fatal([T], 0)
-    assert prefix_turn_mask(4, 2) == [True, True, False, False]
 
 
 def test_token_mask():
@@ -40,12 +40,6 @@ def test_token_mask():
     step = torch.tensor([[-1, 0, 0, 0, 1, 1], [-1, 0, 0, 0, 1, 1]])
     m = token_mask(gen, step, torch.tensor([1, NOT_FATAL]))
     assert m.tolist() == [[0, 1, 1, 0, 0, 0], [0, 1, 1, 0, 1, 1]]
-
-
-@pytest.mark.parametrize("fatal, expected", [(False, 0.45), (True, 0.05)])
-def test_combine_rewards(fatal, expected):
-    r = combine_rewards(torch.tensor([0.5]), torch.tensor([1.0]), torch.tensor([0.5]), torch.tensor([fatal]))
-    assert r.item() == pytest.approx(expected)
 
 
 ADV_CASES = [

@@ -14,7 +14,7 @@ training forward will see. A turn that does not parse is a failed ``invalid_call
 is answered with an error tool response, so the model sees its mistake and the episode goes
 on (unless it is fatal).
 
-Fatal steps (``osvl.rl.fatal``): after each failed step the loop looks for K consecutive
+Fatal steps (``osvl.agent.fatal``): after each failed step the loop looks for K consecutive
 failed steps of the counted kinds; the first such run records ``fatal_cascade_start`` and
 ``fatal_kth`` (0-based turn indices) and, with ``stop_on_fatal`` (default, as the released
 code), ends the episode right after the K-th failure.
@@ -45,10 +45,10 @@ import numpy as np
 
 from osvl.agent import format as fmt
 from osvl.agent.engines.base import ChatEngine, GenRequest, Sampling, TokenEngine
+from osvl.agent.fatal import find_fatal
 from osvl.agent.trajectory import Trajectory, TrajectoryBuilder, Turn, image_token_count
 from osvl.config import opt
 from osvl.errors import TOOL_ERROR_KINDS, ConfigError, ParseError
-from osvl.rl.fatal import find_fatal
 from osvl.tools.client import ToolClient
 
 OVERFLOW_POLICIES = ("downscale", "stop")
@@ -69,8 +69,6 @@ class AgentConfig:
     k: int = opt(3, "Consecutive failed steps that make a trajectory fatal (K).")
     fatal_kinds: list[str] = opt(list(TOOL_ERROR_KINDS), "Failure kinds that count toward K.")
     stop_on_fatal: bool = opt(True, "End the episode at the K-th consecutive failure (released code).")
-    mask_at: str = opt("cascade", "Where the fatal mask starts: 'cascade' (first failure of the run) or 'kth'; "
-                                  "recorded for the learner, the loop records both indices.")
     temperature: float = opt(1.0, "Sampling temperature; 0 = greedy. RL: 1.0 with no top-p/top-k.")
     overflow: str = opt("downscale", "When a tool answer would overflow max_episode_tokens: 'downscale' its "
                                      "images, else end with context_overflow; or 'stop' at once.")
@@ -80,8 +78,6 @@ class AgentConfig:
             raise ConfigError("max_turns, max_new_tokens, max_episode_tokens and k must be >= 1")
         if self.overflow not in OVERFLOW_POLICIES:
             raise ConfigError(f"overflow must be one of {OVERFLOW_POLICIES}, got {self.overflow!r}")
-        if self.mask_at not in ("cascade", "kth"):
-            raise ConfigError(f"mask_at must be 'cascade' or 'kth', got {self.mask_at!r}")
         bad = sorted(set(self.fatal_kinds) - set(TOOL_ERROR_KINDS))
         if bad:
             raise ConfigError(f"fatal_kinds: unknown kinds {bad}; choose from {TOOL_ERROR_KINDS}")

@@ -44,6 +44,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from osvl.agent.fatal import MaskStart, mask_start
 from osvl.agent.judge import answer_reward
 from osvl.agent.trajectory import Trajectory, Turn
 from osvl.config import opt
@@ -63,8 +64,8 @@ class RewardConfig:
     alpha: float = opt(0.8, "Weight of r_acc against r_query inside the format gate.")
     judge: str = opt("rule", f"Answer judge: one of {JUDGES}.")
     query_scorer: str = opt("rule", f"r_query: one of {QUERY_SCORERS} (llm = the process judge).")
-    prefix_end: str = opt("cascade", "Where the pre-fatal prefix ends: 'cascade' (first failure of the fatal run, "
-                                     "released code) or 'kth' (the K-th failure, the paper's formula).")
+    prefix_end: MaskStart = opt("cascade", "Where the pre-fatal prefix ends: 'cascade' (first failure of the fatal "
+                                           "run, released code) or 'kth' (the K-th failure, the paper's formula).")
     fmt_scope: str = opt("prefix", "r_fmt over the pre-fatal 'prefix' (docs/design.md) or the whole 'episode', the "
                                    "fatal cascade's unparsable turns counted (see the module docstring).")
 
@@ -73,17 +74,13 @@ class RewardConfig:
             raise ConfigError(f"alpha must be in [0, 1], got {self.alpha}")
         if self.judge not in JUDGES or self.query_scorer not in QUERY_SCORERS:
             raise ConfigError(f"judge must be one of {JUDGES} and query_scorer one of {QUERY_SCORERS}")
-        if self.prefix_end not in ("cascade", "kth"):
-            raise ConfigError(f"prefix_end must be 'cascade' or 'kth', got {self.prefix_end!r}")
         if self.fmt_scope not in ("prefix", "episode"):
             raise ConfigError(f"fmt_scope must be 'prefix' or 'episode', got {self.fmt_scope!r}")
 
 
-def prefix_turns(traj: Trajectory, prefix_end: str = "cascade") -> list[Turn]:
-    """The assistant turns before the fatal step (all of them when the trajectory is not fatal)."""
-    if traj.fatal_kth < 0:
-        return list(traj.turns)
-    end = traj.fatal_cascade_start if prefix_end == "cascade" else traj.fatal_kth
+def prefix_turns(traj: Trajectory, prefix_end: MaskStart = "cascade") -> list[Turn]:
+    """The assistant turns before the mask start (all of them when the trajectory is not fatal)."""
+    end = mask_start(traj.fatal_cascade_start, traj.fatal_kth, prefix_end)
     return [t for t in traj.turns if t.index < end]
 
 

@@ -2,7 +2,7 @@
 
 Two layers. ``grpo_loss`` turns per-token log-probs and a batch's per-row
 fields into the fatal-aware loss of docs/design.md, by calling the pure math of
-``osvl.rl.fatal`` / ``osvl.rl.loss`` in the one order the definition fixes:
+``osvl.agent.fatal`` / ``osvl.rl.loss`` in the one order the definition fixes:
 group statistics over all G first, then the mode's clamp/drop, then the token
 mask. ``Learner`` owns the model, the optimiser (a DeepSpeed engine under Ray
 Train, or plain torch for one process) and the frozen reference model, and adds
@@ -25,10 +25,10 @@ from typing import Any, Literal
 
 import torch
 
+from osvl.agent.fatal import NOT_FATAL, MaskStart, mask_start
 from osvl.config import opt
 from osvl.errors import TrainingDiverged
-from osvl.rl.fatal import NOT_FATAL, token_mask
-from osvl.rl.loss import MODES, LossOutput, apply_mode, group_advantages, loss_divisor, policy_loss
+from osvl.rl.loss import MODES, LossOutput, apply_mode, group_advantages, loss_divisor, policy_loss, token_mask
 
 
 @dataclass
@@ -37,7 +37,7 @@ class RLConfig:
 
     mode: Literal["vanilla", "hard_mask", "fatal_mask", "fatal_mask_clamp"] = opt(
         "fatal_mask_clamp", "Ablation mode (per-mode table in docs/design.md).")
-    mask_at: Literal["cascade", "kth"] = opt(
+    mask_at: MaskStart = opt(
         "cascade", "Where the token mask starts on a fatal trajectory: first failed step of the cascade "
         "(released code) or the K-th failure (paper's formula).")
     group_size: int = opt(8, "G: samples per question; advantages are normalised within a group.")
@@ -61,10 +61,10 @@ class RLConfig:
     entropy_max: float = opt(0.0, "Stop the run when the mean token entropy exceeds this (0 = no bound).")
 
 
-def mask_starts(fatal_cascade_start: Sequence[int], fatal_kth: Sequence[int], at: str) -> torch.Tensor:
+def mask_starts(fatal_cascade_start: Sequence[int], fatal_kth: Sequence[int], at: MaskStart) -> torch.Tensor:
     """Per-row turn index from which tokens get no gradient (``NOT_FATAL`` for non-fatal rows)."""
-    src = fatal_cascade_start if at == "cascade" else fatal_kth
-    return torch.tensor([NOT_FATAL if s < 0 else s for s in src], dtype=torch.long)
+    return torch.tensor([mask_start(c, k, at) for c, k in zip(fatal_cascade_start, fatal_kth, strict=True)],
+                        dtype=torch.long)
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""Fatal-aware GRPO as pure tensor functions: rewards, group advantages, the clamp, the loss.
+"""Fatal-aware GRPO as pure tensor functions: the token mask, group advantages, the clamp, the loss.
 
 The precise math is docs/design.md's "Fatal-aware GRPO". For a group of G
 trajectories of one question:
@@ -8,7 +8,9 @@ trajectories of one question:
     Â_i   = r̃_i, or max(r̃_i, 0) for a fatal i            (the one-sided clamp)
     J     = Σ_i w_i (1/Σ_t M_it) Σ_t M_it · min(ρ Â, clip(ρ, 1−ε_low, 1+ε_high) Â) − β·KL_k3
 
-with w_i = 1/G (the paper's aggregation). The four ablation modes differ only
+with w_i = 1/G (the paper's aggregation). The reward r_i is computed once, per trajectory,
+by ``osvl.agent.reward.score_trajectory``; the mask M starts at the turn
+``osvl.agent.fatal.mask_start`` names. The four ablation modes differ only
 in three switches (``MODES``): whether post-fatal tokens are masked, whether a
 fatal trajectory is dropped after the group statistics, and whether the clamp is
 applied. Keeping them as data makes the per-mode table testable.
@@ -41,15 +43,16 @@ MODES: dict[str, Mode] = {
 AGGREGATIONS = ("seq_mean_token_mean", "token_mean", "seq_mean_token_sum")
 
 
-def combine_rewards(r_fmt: torch.Tensor, r_acc: torch.Tensor, r_query: torch.Tensor, fatal: torch.Tensor,
-                    alpha: float = 0.8) -> torch.Tensor:
-    """r = r_fmt·(α·r_acc + (1−α)·r_query), with r_acc forced to 0 on fatal trajectories.
+def token_mask(gen_mask: torch.Tensor, step_ids: torch.Tensor, mask_start: torch.Tensor) -> torch.Tensor:
+    """M = M_gen · 1[step(t) < f]: model tokens of turns before the mask start.
 
-    r_fmt and r_query must already be computed on the pre-fatal prefix (the agent's
-    scorer does that); this function only combines.
+    gen_mask: (B, T) 1 on model-generated tokens; step_ids: (B, T) the assistant-turn
+    index each token belongs to (any value on prompt/tool tokens, which gen_mask
+    zeroes anyway); mask_start: (B,) the turn index from which gradient stops
+    (``osvl.agent.fatal.mask_start``: ``NOT_FATAL`` for trajectories without a fatal step).
     """
-    r_acc = torch.where(fatal, torch.zeros_like(r_acc), r_acc)
-    return r_fmt * (alpha * r_acc + (1.0 - alpha) * r_query)
+    keep = step_ids < mask_start.unsqueeze(1)
+    return gen_mask.to(torch.float32) * keep.to(torch.float32)
 
 
 def group_advantages(rewards: torch.Tensor, group: torch.Tensor, baseline: str = "grpo",

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from osvl import storage
+from osvl.agent.fatal import MaskStart
 from osvl.config import opt
 
 
@@ -114,14 +115,14 @@ class RolloutWorker:
 
     def __init__(self, actor_id: str, cfg: RolloutConfig, model_dir: str, questions: list[dict[str, Any]],
                  question_image_dir: str, image_dir: str, buffer: Any, store: Any, group_size: int,
-                 mask_at: str = "cascade", recorder: Any = None) -> None:
+                 mask_at: MaskStart = "cascade", recorder: Any = None) -> None:
         import torch
 
         from osvl.agent.engines import make_engine
         from osvl.agent.loop import AgentConfig
 
         torch.set_num_threads(max(1, int(cfg.cpus_per_actor)))
-        self.id, self.cfg, self.G = actor_id, cfg, group_size
+        self.id, self.cfg, self.G, self.mask_at = actor_id, cfg, group_size, mask_at
         self.buffer, self.store = buffer, store
         self.questions = questions
         # locations (osvl.storage): this actor may run on a node that holds no copy of the folders
@@ -134,7 +135,7 @@ class RolloutWorker:
         self.client = self._client()
         self.agent_cfg = AgentConfig(max_turns=cfg.max_turns, max_new_tokens=cfg.max_new_tokens,
                                      max_episode_tokens=cfg.max_episode_tokens, k=cfg.k,
-                                     stop_on_fatal=cfg.stop_on_fatal, mask_at=mask_at, temperature=cfg.temperature)
+                                     stop_on_fatal=cfg.stop_on_fatal, temperature=cfg.temperature)
         self.stats = ActorStats()
         self._version_event: asyncio.Event | None = None
         self.newest_seen = -1  # newest published version the weight poll has returned
@@ -224,7 +225,7 @@ class RolloutWorker:
         if self.rec is not None:
             self._record_episode(traj)
         self._save_images(traj, store)
-        scoring = RewardConfig(alpha=self.cfg.alpha, prefix_end=self.agent_cfg.mask_at, fmt_scope=self.cfg.fmt_scope)
+        scoring = RewardConfig(alpha=self.cfg.alpha, prefix_end=self.mask_at, fmt_scope=self.cfg.fmt_scope)
         return await score_trajectory(traj, row, scoring)
 
     def _save_images(self, traj: Any, arrays: dict) -> None:
