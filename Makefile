@@ -99,6 +99,7 @@ test-fast: setup lint
 
 lint: setup
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/lint-imports
 
 mutation: setup
 	$(VENV)/bin/mutmut run --max-children 2 && $(VENV)/bin/mutmut results

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from osvl.agent import format as fmt
+from osvl import chat as fmt
 from osvl.agent.trajectory import TrajectoryBuilder, write_trajectories
 from osvl.config import parse_args
 from osvl.models.load import load_processor

@@ -20,7 +20,7 @@ import time
 import torch
 from skimage.data import astronaut
 
-from osvl.agent import format as fmt
+from osvl import chat as fmt
 from osvl.models.load import load_model, load_processor
 from osvl.models.tiny import tiny_checkpoint
 

@@ -14,8 +14,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from osvl.agent.expert import JOB, TrajConfig, run  # noqa: E402
 from osvl.config import dump, parse_args  # noqa: E402
+from osvl.synth.expert import JOB, TrajConfig, run  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -122,11 +122,14 @@ def open_root(root: str, setting: str = "run.root") -> tuple[Any, str]:
     return _open(str(root).rstrip("/") if is_uri(root) else str(root), setting)
 
 
+def cache_root() -> Path:
+    """``$OSVL_CACHE`` or ``~/.cache/osvl``: where built artifacts live between runs."""
+    return Path(os.environ.get("OSVL_CACHE") or Path.home() / ".cache" / "osvl")
+
+
 def mirror_dir(uri: str) -> Path:
     """The node-local cache folder that mirrors the remote folder ``uri`` (a cache: deleting it loses
     nothing published), under ``$OSVL_STORAGE_CACHE`` (default ``$OSVL_CACHE/storage``)."""
-    from osvl.models.tiny import cache_root
-
     parent, _, name = uri.rstrip("/").rpartition("/")
     # keyed by the parent's URI, named like the remote folder (code may read a run folder's name)
     base = Path(os.environ.get("OSVL_STORAGE_CACHE") or cache_root() / "storage")

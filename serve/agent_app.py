@@ -179,8 +179,8 @@ class AgentService:
     def __init__(self, cfg: dict[str, Any], model_path: str, token_sha256: str = "") -> None:
         from osvl.agent.engines import make_engine
         from osvl.agent.evaluate import trained_tools
-        from osvl.rl.rollout import offered_tools
         from osvl.tools.client import make_client
+        from osvl.tools.registry import offered_tools
 
         self.cfg = from_dict(AgentServeConfig, cfg)
         self.token_sha256 = token_sha256

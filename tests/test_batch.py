@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from osvl.agent import format as fmt
+from osvl import chat as fmt
 from osvl.agent.trajectory import TrajectoryBuilder, processor_inputs, write_trajectories
 from osvl.errors import DataError
 from osvl.models.load import load_model, load_processor

@@ -46,7 +46,7 @@ def _finetune_on_planted(out, steps=50):
     import torch
     from PIL import Image
 
-    from osvl.agent import format as fmt
+    from osvl import chat as fmt
     from osvl.agent.scripted import finetune
     from osvl.agent.trajectory import TrajectoryBuilder
     from osvl.kg.schema import SAMPLE_DIR

@@ -266,9 +266,9 @@ def test_an_unreachable_llm_judge_marks_the_item_judge_failed_not_wrong():
 
 
 def test_released_tool_names_are_offered_and_parsed_not_counted_unknown():
-    from osvl.agent import format as fmt
+    from osvl import chat as fmt
     from osvl.agent.evaluate import QUESTION_PREFIX, aliased
-    from osvl.rl.rollout import offered_tools
+    from osvl.tools.registry import offered_tools
 
     tools, back = aliased(offered_tools(["text_search", "ocr", "crop"]), "opensearch-vl")
     names = [t["function"]["name"] for t in tools]

@@ -1,4 +1,4 @@
-"""The chat format contract (osvl/agent/format.py): rendering, the Jinja twin, parsing."""
+"""The chat format contract (osvl/chat.py): rendering, the Jinja twin, parsing."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from osvl.agent import format as F
-from osvl.agent.format import (
+from osvl import chat as F
+from osvl.chat import (
     CHAT_TEMPLATE,
     IMAGE_TOKENS,
     SPECIAL_TOKENS,
@@ -516,7 +516,7 @@ def test_template_equals_render(hf_tokenizer, case):
 
 
 def test_format_module_is_light():
-    code = ("import sys, osvl.agent.format\n"
+    code = ("import sys, osvl.chat\n"
             "print(','.join(m for m in ('ray', 'torch', 'transformers', 'jinja2') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == ""

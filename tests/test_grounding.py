@@ -10,8 +10,7 @@ import pytest
 
 from osvl.errors import ConfigError, ModelLoadError
 from osvl.kg import wikispeedia
-from osvl.kg.schema import load_kg
-from osvl.synth.grounding import (
+from osvl.kg.grounding import (
     Candidate,
     ClipScorer,
     GroundingConfig,
@@ -20,6 +19,7 @@ from osvl.synth.grounding import (
     ground,
     make_scorer,
 )
+from osvl.kg.schema import load_kg
 
 
 @pytest.fixture(scope="module")

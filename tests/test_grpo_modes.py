@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from osvl.agent.format import assistant_text, tool_call_text, tool_error_text
+from osvl.chat import assistant_text, tool_call_text, tool_error_text
 from osvl.models.load import load_model, load_tokenizer
 from osvl.models.tiny import tiny_checkpoint
 from osvl.rl.learner import RLConfig, forward_logprobs, grpo_loss, mask_starts

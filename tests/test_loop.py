@@ -13,7 +13,7 @@ import itertools
 import numpy as np
 import pytest
 
-from osvl.agent import format as fmt
+from osvl import chat as fmt
 from osvl.agent.loop import AgentConfig, run_episode
 from osvl.agent.scripted import ScriptedTeacher
 from osvl.agent.trajectory import processor_inputs

@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from osvl.agent.format import CHAT_TEMPLATE, SPECIAL_TOKENS
+from osvl import storage
+from osvl.chat import CHAT_TEMPLATE, SPECIAL_TOKENS
 from osvl.errors import ConfigError, ModelLoadError
 from osvl.models import tiny
 from osvl.models.load import PINNED_IMAGE_PROCESSOR, load_model, load_processor
@@ -269,9 +270,9 @@ def test_tiny_checkpoint_is_cached(qwen3_dir):
 
 def test_cache_location_follows_env(monkeypatch, tmp_path):
     monkeypatch.setenv("OSVL_CACHE", str(tmp_path / "c"))
-    assert tiny.cache_root() == tmp_path / "c"
+    assert storage.cache_root() == tmp_path / "c"
     monkeypatch.delenv("OSVL_CACHE")
-    assert tiny.cache_root() == Path.home() / ".cache" / "osvl"
+    assert storage.cache_root() == Path.home() / ".cache" / "osvl"
 
 
 def test_unknown_kind():

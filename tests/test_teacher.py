@@ -17,9 +17,9 @@ import pyarrow.parquet as pq
 import pytest
 from _questions import sample_questions
 
-from osvl.agent.format import parse_turn
 from osvl.agent.judge import answer_reward, normalize_answer
 from osvl.agent.teacher import GIVE_UP, PathOracle, find_span, read_conversation
+from osvl.chat import parse_turn
 
 TOOL_NAMES = ["crop", "sharpen", "super_resolution", "perspective_correct", "ocr", "text_search", "image_search"]
 GLUE = {"of"}  # the only word the oracle adds to a query ("Capital of X")

@@ -9,7 +9,7 @@ import pytest
 import torch
 from PIL import Image
 
-from osvl.agent import format as fmt
+from osvl import chat as fmt
 from osvl.errors import PARSE_ERROR_KINDS, ParseError
 from osvl.models import tiny
 from osvl.models.load import load_model, load_processor

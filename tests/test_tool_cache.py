@@ -11,9 +11,8 @@ import pytest
 import osvl.tools.crop  # noqa: F401 - registers crop
 import osvl.tools.text_search  # noqa: F401 - registers text_search
 from osvl.errors import ConfigError, ToolCallError
-from osvl.tools.base import REGISTRY, ToolContext
+from osvl.tools.base import REGISTRY, TextHit, ToolContext
 from osvl.tools.cache import ToolCache, image_digest
-from osvl.tools.text_search import TextHit
 
 
 class CountingBackend:

@@ -14,10 +14,10 @@ import pyarrow.parquet as pq
 import pytest
 from _questions import sample_questions
 
-from osvl.agent.expert import JOB, ShardWorker, TrajConfig, run
 from osvl.agent.judge import answer_reward
 from osvl.agent.trajectory import read_trajectories
 from osvl.config import parse_args, run_dir, to_dict
+from osvl.synth.expert import JOB, ShardWorker, TrajConfig, run
 
 
 @pytest.mark.slow

@@ -7,7 +7,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from osvl.agent import format as fmt
+from osvl import chat as fmt
 from osvl.agent.trajectory import (
     TrajectoryBuilder,
     Turn,

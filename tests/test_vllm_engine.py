@@ -29,8 +29,8 @@ import torch
 from osvl.agent.engines.base import GenRequest, Sampling
 from osvl.agent.engines.hf import HFEngine
 from osvl.agent.engines.vllm import VLLMEngine
-from osvl.agent.format import IM_END, IM_START, IMAGE_PAD, VISION_END, VISION_START
 from osvl.agent.trajectory import TrajectoryBuilder, processor_inputs, read_trajectories, write_trajectories
+from osvl.chat import IM_END, IM_START, IMAGE_PAD, VISION_END, VISION_START
 from osvl.errors import EngineError
 from osvl.models.tiny import tiny_checkpoint
 from osvl.train.batch import collate, token_logprobs

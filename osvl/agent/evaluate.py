@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from osvl.agent import format as fmt
+from osvl import chat as fmt
 from osvl.agent.judge import answer_reward
 from osvl.agent.loop import AgentConfig, run_episode
 from osvl.agent.trajectory import Trajectory

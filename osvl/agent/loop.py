@@ -43,7 +43,7 @@ from typing import Any
 
 import numpy as np
 
-from osvl.agent import format as fmt
+from osvl import chat as fmt
 from osvl.agent.engines.base import ChatEngine, GenRequest, Sampling, TokenEngine
 from osvl.agent.fatal import find_fatal
 from osvl.agent.trajectory import Trajectory, TrajectoryBuilder, Turn, image_token_count

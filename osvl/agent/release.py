@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from osvl.agent import format as fmt
+from osvl import chat as fmt
 from osvl.agent.trajectory import Trajectory, TrajectoryBuilder, Turn, image_hash
 from osvl.errors import DataError, ParseError
 

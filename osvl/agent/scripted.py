@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from osvl.agent import format as fmt
+from osvl import chat as fmt
 from osvl.agent.engines.base import Sampling
 
 AGENT_TOOLS = ("crop", "text_search")
@@ -203,7 +203,8 @@ def build_key() -> str:
 
 def tiny_agent_checkpoint(cache_dir: str | Path | None = None) -> Path:
     """The cached fine-tuned tiny agent checkpoint, built first if missing (atomic, like tiny.py)."""
-    from osvl.models.tiny import build_once, cache_root
+    from osvl.models.tiny import build_once
+    from osvl.storage import cache_root
 
     root = (Path(cache_dir) if cache_dir is not None else cache_root()) / "tiny"
     return build_once(root / f"qwen3_vl-agent-{build_key()}", build)

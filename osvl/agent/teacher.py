@@ -20,7 +20,7 @@ Nairobi" -> ``Capital Nairobi``; "the rock formed through ..." -> the descriptio
 the previous hop's name, worded and ordered differently per rollout: a hop whose
 descriptor identifies its entity on its own (a description or an attribute) may be
 searched before the hop that leads to it. Every turn is ``<think>short reason</think>``
-plus one action, built with ``osvl.agent.format``.
+plus one action, built with ``osvl.chat``.
 
 The teacher is a ``ChatEngine`` bound to one question (``PathOracle(row, seed)``) and is
 stateless across calls: ``chat`` re-derives everything from the messages, so the same
@@ -39,7 +39,7 @@ from typing import Any, Literal
 import numpy as np
 
 from osvl.agent.engines.base import Sampling
-from osvl.agent.format import assistant_text, parse_turn
+from osvl.chat import assistant_text, parse_turn
 from osvl.config import opt
 from osvl.errors import DataError, ParseError
 

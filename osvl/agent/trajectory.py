@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from osvl.agent.format import IMAGE_PAD
+from osvl.chat import IMAGE_PAD
 from osvl.errors import DataError
 
 KINDS = ("policy", "teacher", "imported")
@@ -428,3 +428,14 @@ class TrajectoryBuilder:
         t.check()
         return t
 
+
+def question_images(image_dir: Path, row: dict[str, Any]) -> list:
+    """The RGB arrays of a synthesized question's images (stored under the synthesize run's images/)."""
+    import numpy as np
+    from PIL import Image
+
+    out = []
+    for name in row["images"]:
+        with Image.open(image_dir / name) as im:
+            out.append(np.asarray(im.convert("RGB")))
+    return out

@@ -117,8 +117,8 @@ class EvalWorker:
         import torch
 
         from osvl.agent.evaluate import QUESTION_PREFIX, aliased, trained_tools
-        from osvl.rl.rollout import offered_tools
         from osvl.tools import text_search
+        from osvl.tools.registry import offered_tools
 
         self.cfg = from_dict(EvalConfig, cfg)
         torch.set_num_threads(max(1, int(self.cfg.cpus_per_actor)))
@@ -161,17 +161,16 @@ class EvalWorker:
 
     def _client(self, cache_root: str, names: dict[str, str]) -> Any:
         from osvl.agent.evaluate import AliasClient
-        from osvl.rl.rollout import _MeteredClient
-        from osvl.tools.client import ToolClient, make_client
+        from osvl.tools.client import MeteredClient, ToolClient, make_client
 
         if self.cfg.tools == "http":
             client = make_client("http", url=self.cfg.tools_url)
         else:
-            from osvl.agent.expert import CachedInProcess
+            from osvl.tools.client import CachedInProcess
 
             client = ToolClient(CachedInProcess(self.cfg.tool_cache, cache_root))
         if self.cfg.tool_latency_s > 0:
-            client = _MeteredClient(client, self.cfg.tool_latency_s)
+            client = MeteredClient(client, self.cfg.tool_latency_s)
         return AliasClient(client, names) if names else client
 
     async def _one(self, item: dict[str, Any], mode: str) -> dict[str, Any]:

@@ -7,7 +7,7 @@ licence (parsed from the Debian-copyright-style README next to the files). Match
 to an entity goes through ``match_entity``: exact title, then aliases (redirects, names in
 the lead, manifest names), then title without its "(disambiguator)", then a unique title
 prefix ("Burj" -> "Burj Khalifa"). A match is only a *candidate*: whether the photo shows
-the entity is decided by ``osvl.synth.grounding``.
+the entity is decided by ``osvl.kg.grounding``.
 
 Artworks in the ``details`` collection come as "Artist, Title - year"; the title names the
 painting, not the artist, so they are returned with ``artist``/``year`` set and the

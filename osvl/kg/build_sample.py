@@ -19,8 +19,8 @@ from pathlib import Path
 from osvl.config import input_path, opt, parse_args
 from osvl.kg import anchors as anc
 from osvl.kg import mediawiki, wikispeedia
+from osvl.kg.grounding import Candidate, GroundingConfig, entity_text, ground, make_scorer
 from osvl.kg.schema import SAMPLE_DIR, eligible_values, fold, write_kg
-from osvl.synth.grounding import Candidate, GroundingConfig, entity_text, ground, make_scorer
 
 MAX_SIDE = 512
 

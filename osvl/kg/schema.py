@@ -39,7 +39,7 @@ Ray Data job can read or shard them without osvl.
     caption      string   the caption the photo came with
     source       string   where it came from (manifest path, package name)
     licence      string   licence of that one file
-    score        float32  the grounding score (see ``osvl.synth.grounding``)
+    score        float32  the grounding score (see ``osvl.kg.grounding``)
     scorer       string   which scorer produced ``score`` (e.g. ``minilm``, ``clip``)
 
 Only accepted images are rows of ``anchors.parquet``; rejections are counted by the

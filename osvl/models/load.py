@@ -13,7 +13,7 @@ Two decisions live here so that no caller has to repeat them:
   directory quietly returns only the tokenizer. osvl feeds images, never video, so the
   processors below are the upstream classes minus the video processor.
 
-Every processor and tokenizer loaded here gets ``osvl.agent.format.CHAT_TEMPLATE``; a
+Every processor and tokenizer loaded here gets ``osvl.chat.CHAT_TEMPLATE``; a
 checkpoint's own template is never used (Qwen3 templates drop earlier ``<think>`` blocks, which
 breaks token-exact multi-turn records).
 """
@@ -31,7 +31,7 @@ from transformers.models.qwen2_vl import processing_qwen2_vl
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 from transformers.models.qwen3_vl import processing_qwen3_vl
 
-from osvl.agent.format import CHAT_TEMPLATE
+from osvl.chat import CHAT_TEMPLATE
 from osvl.errors import ModelLoadError
 
 PINNED_IMAGE_PROCESSOR = Qwen2VLImageProcessorPil

@@ -23,14 +23,14 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
 
-from osvl.agent.format import CHAT_TEMPLATE, SPECIAL_TOKENS
+from osvl.chat import CHAT_TEMPLATE, SPECIAL_TOKENS
 from osvl.errors import ConfigError
+from osvl.storage import cache_root
 
 CORPUS = Path(__file__).with_name("corpus") / "corpus.txt"
 KINDS = ("qwen3_vl", "qwen2_5_vl")
@@ -77,11 +77,6 @@ SPECS: dict[str, dict[str, Any]] = {
     },
 }
 MIN_TOKENS, MAX_TOKENS = 4, 64  # vision tokens per image, after the 2x2 merge
-
-
-def cache_root() -> Path:
-    """``$OSVL_CACHE`` or ``~/.cache/osvl``: where built artifacts live between runs."""
-    return Path(os.environ.get("OSVL_CACHE") or Path.home() / ".cache" / "osvl")
 
 
 def build_key(kind: str) -> str:

@@ -80,36 +80,6 @@ class ActorStats:
     statuses: dict[str, int] = field(default_factory=dict)
 
 
-def question_images(image_dir: Path, row: dict[str, Any]) -> list:
-    """The RGB arrays of a synthesized question's images (stored under the synthesize run's images/)."""
-    import numpy as np
-    from PIL import Image
-
-    out = []
-    for name in row["images"]:
-        with Image.open(image_dir / name) as im:
-            out.append(np.asarray(im.convert("RGB")))
-    return out
-
-
-def offered_tools(names: list[str], schema_file: str = "") -> list[dict[str, Any]]:
-    """JSON schemas of the tools the policy is offered (all registered ones when ``names`` is empty),
-    from the registry or from ``schema_file``; every offered name must be a registered tool."""
-    import json
-
-    from osvl.errors import ConfigError
-    from osvl.tools.registry import all_tools
-
-    tools = all_tools()
-    schemas = ([t.schema for t in tools.values()] if not schema_file
-               else json.loads(Path(schema_file).read_text()))
-    by_name = {s["function"]["name"]: s for s in schemas}
-    unknown = sorted((set(names) | set(by_name)) - set(tools))
-    if unknown:
-        raise ConfigError(f"rollout.offer/schemas: unknown tools {unknown}; registered: {sorted(tools)}")
-    return [s for n, s in by_name.items() if not names or n in names]
-
-
 class RolloutWorker:
     """One rollout actor (use through ``ray.remote``; every method runs on the actor's event loop)."""
 
@@ -120,6 +90,7 @@ class RolloutWorker:
 
         from osvl.agent.engines import make_engine
         from osvl.agent.loop import AgentConfig
+        from osvl.tools.registry import offered_tools
 
         torch.set_num_threads(max(1, int(cfg.cpus_per_actor)))
         self.id, self.cfg, self.G, self.mask_at = actor_id, cfg, group_size, mask_at
@@ -143,11 +114,11 @@ class RolloutWorker:
         self._engine_seen: dict[str, int] = {}
 
     def _client(self):
-        from osvl.tools.client import make_client
+        from osvl.tools.client import MeteredClient, make_client
 
         client = make_client(self.cfg.tools)
         if self.cfg.tool_latency_s > 0 or self.rec is not None:
-            client = _MeteredClient(client, self.cfg.tool_latency_s, self.rec)
+            client = MeteredClient(client, self.cfg.tool_latency_s, self.rec)
         return client
 
     # -- metrics (osvl/metrics.py; skipped when the actor was built without a recorder) ----------
@@ -211,6 +182,7 @@ class RolloutWorker:
     async def _episode(self, work: Any, i: int) -> Any:
         from osvl.agent.loop import run_episode
         from osvl.agent.reward import RewardConfig, score_trajectory
+        from osvl.agent.trajectory import question_images
 
         row = self.questions[work.question_index]
         images = question_images(self.question_image_dir, row)
@@ -280,35 +252,14 @@ class RolloutWorker:
         return os.getpid()
 
 
-class _MeteredClient:
-    """A tool client whose every call takes ``delay`` seconds longer (the benchmark's simulated latency) and,
-    given a recorder, is metered as the agent sees it: latency and result by tool (``osvl_rollout_tool_*``)."""
-
-    def __init__(self, inner: Any, delay: float, recorder: Any = None) -> None:
-        self.inner, self.delay, self.rec = inner, delay, recorder
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
-
-    async def call(self, name: str, *args: Any, **kwargs: Any) -> Any:
-        t0 = time.perf_counter()
-        if self.delay > 0:
-            await asyncio.sleep(self.delay)
-        result = await self.inner.call(name, *args, **kwargs)
-        if self.rec is not None:
-            from osvl import metrics as M
-
-            self.rec.observe(M.ROLLOUT_TOOL_LATENCY, time.perf_counter() - t0, tool=name)
-            self.rec.inc(M.ROLLOUT_TOOL_RESULTS, 1, tool=name, status="ok" if result.ok else result.error.kind)
-        return result
-
-
 async def _eval_episodes(model_dir: str, questions: list[dict[str, Any]], image_dir: str, cfg: RolloutConfig,
                          concurrency: int) -> list[float]:
     from osvl.agent.engines import make_engine
     from osvl.agent.evaluate import evaluate_item
     from osvl.agent.loop import AgentConfig
+    from osvl.agent.trajectory import question_images
     from osvl.tools.client import make_client
+    from osvl.tools.registry import offered_tools
 
     engine = make_engine(cfg.engine, model_dir, max_batch=cfg.max_batch)
     client = make_client("inprocess")

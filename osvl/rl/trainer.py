@@ -314,7 +314,7 @@ def prepare(cfg: GRPOConfig, log: Callable[[str], None] = print) -> tuple[Path, 
     qdir = qdir.resolve()  # Ray Train workers and actors run in other folders
     if cfg.model:
         return qdir, Path(cfg.model).resolve()
-    from osvl.agent import expert
+    from osvl.synth import expert
     from osvl.train import sft
 
     # the teacher's records must show the policy the tools it will be offered in RL (the system

@@ -32,6 +32,17 @@ MAX_PIXELS = 40_000_000
 
 
 @dataclass
+class TextHit:
+    """One text-search hit; the local index and the web backend both answer lists of these."""
+
+    title: str
+    snippet: str
+    score: float
+    url: str = ""  # web hits
+    summary: str = ""  # web hits: the LLM's summary of the page for this query
+
+
+@dataclass
 class ToolError:
     kind: str
     message: str

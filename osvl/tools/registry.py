@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+from pathlib import Path
+from typing import Any
 
 from osvl.tools import crop, ocr, perspective, sharpen, super_resolution  # noqa: F401
 from osvl.tools.base import REGISTRY, Tool
@@ -35,3 +37,20 @@ def all_tools() -> dict[str, Tool]:
 def missing_tools() -> list[str]:
     """Tools of the OpenSearch-VL set that no imported module registered."""
     return [n for n in TOOL_NAMES if n not in REGISTRY]
+
+
+def offered_tools(names: list[str], schema_file: str = "") -> list[dict[str, Any]]:
+    """JSON schemas of the tools the policy is offered (all registered ones when ``names`` is empty),
+    from the registry or from ``schema_file``; every offered name must be a registered tool."""
+    import json
+
+    from osvl.errors import ConfigError
+
+    tools = all_tools()
+    schemas = ([t.schema for t in tools.values()] if not schema_file
+               else json.loads(Path(schema_file).read_text()))
+    by_name = {s["function"]["name"]: s for s in schemas}
+    unknown = sorted((set(names) | set(by_name)) - set(tools))
+    if unknown:
+        raise ConfigError(f"rollout.offer/schemas: unknown tools {unknown}; registered: {sorted(tools)}")
+    return [s for n, s in by_name.items() if not names or n in names]

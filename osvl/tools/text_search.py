@@ -69,7 +69,6 @@ import dataclasses
 import json
 import re
 import threading
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -77,7 +76,7 @@ import numpy as np
 
 from osvl.config import opt
 from osvl.errors import ConfigError, DataError, ToolCallError
-from osvl.tools.base import InvalidCall, LazyBackend, Tool, ToolContext, ToolResult, number, register
+from osvl.tools.base import InvalidCall, LazyBackend, TextHit, Tool, ToolContext, ToolResult, number, register
 from osvl.tools.cache import atomic_write, file_digest, store_root
 from osvl.tools.web import WebConfig
 
@@ -118,15 +117,6 @@ class TextSearchConfig:
     snippet_chars: int = opt(300, "Characters of snippet shown per hit (the description, then the sentences and "
                                   "facts of the article that match the query best).")
     web: WebConfig = opt(WebConfig, "Web backend (search API, page fetch, summary LLM).")
-
-
-@dataclass
-class TextHit:
-    title: str
-    snippet: str
-    score: float
-    url: str = ""  # web hits
-    summary: str = ""  # web hits: the LLM's summary of the page for this query
 
 
 def tokenize(texts: list[str]) -> Any:

@@ -274,7 +274,7 @@ class WebSearch:
     async def asearch(self, query: str, top_k: int = 5) -> list:
         import aiohttp
 
-        from osvl.tools.text_search import TextHit
+        from osvl.tools.base import TextHit
 
         cfg = self.cfg
         timeout = aiohttp.ClientTimeout(total=cfg.timeout_s)

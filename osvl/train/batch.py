@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from osvl.agent.format import IMAGE_PAD, VISION_END, VISION_START
+from osvl.chat import IMAGE_PAD, VISION_END, VISION_START
 from osvl.errors import DataError
 
 TRUNCATION = ("drop", "cut")

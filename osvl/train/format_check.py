@@ -5,7 +5,7 @@ agentic mode with a one-turn budget, offered exactly the tools the trajectories 
 rendered with (``osvl.agent.evaluate.trained_tools`` of the trajectories' run), so the prompt is the
 first prompt of a real episode of that policy. No tool runs: a first turn that calls one is
 answered "not run" (``_NotRun``), since only the format of the turn is checked
-(``osvl.agent.format.parse_turn``).
+(``osvl.chat.parse_turn``).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
-from osvl.agent import format as fmt
+from osvl import chat as fmt
 
 
 def heldout_path(explicit: str, data_dir: Path) -> Path | None:
@@ -45,7 +45,8 @@ def first_turns(model_dir: str, heldout: Path, n: int, offer: list[str] | None =
     from osvl.agent.engines.hf import HFEngine
     from osvl.agent.evaluate import evaluate_item
     from osvl.agent.loop import AgentConfig
-    from osvl.rl.rollout import offered_tools, question_images
+    from osvl.agent.trajectory import question_images
+    from osvl.tools.registry import offered_tools
 
     rows = pq.read_table(heldout, columns=["id", "question", "answer", "images"]).to_pylist()[:n]
     tools = offered_tools(list(offer or []))
@@ -66,7 +67,7 @@ def first_turns(model_dir: str, heldout: Path, n: int, offer: list[str] | None =
 
 def format_check(model_dir: str, heldout: Path, n: int, offer: list[str] | None = None) -> float:
     """Share of greedy first turns that ``parse_turn`` accepts, with ``offer`` (empty = every tool) offered."""
-    from osvl.rl.rollout import offered_tools
+    from osvl.tools.registry import offered_tools
 
     names = [t["function"]["name"] for t in offered_tools(list(offer or []))]
     texts = first_turns(model_dir, heldout, n, offer)

@@ -370,10 +370,10 @@ def resolve_data(cfg: SftConfig, out: Path, model_dir: str) -> Path:
     if cfg.data.trajectories:
         p = Path(cfg.data.trajectories)
         return p if p.is_absolute() else REPO_ROOT / p
-    from osvl.agent.expert import JOB as TRAJ_JOB
-    from osvl.agent.expert import TrajConfig
-    from osvl.agent.expert import run as make_trajectories
     from osvl.config import parse_args
+    from osvl.synth.expert import JOB as TRAJ_JOB
+    from osvl.synth.expert import TrajConfig
+    from osvl.synth.expert import run as make_trajectories
 
     traj_cfg = parse_args(TrajConfig, TRAJ_JOB, [f"--run.root={cfg.run.root}", f"--run.seed={cfg.run.seed}"])
     folder, _ = make_trajectories(traj_cfg, log=print)

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from osvl.agent.engines.base import Sampling
-from osvl.agent.format import IMAGE_TOKENS, STOP_STRINGS, TOOL_RESPONSE_CLOSE, TOOL_RESPONSE_OPEN, system_prompt
+from osvl.chat import IMAGE_TOKENS, STOP_STRINGS, TOOL_RESPONSE_CLOSE, TOOL_RESPONSE_OPEN, system_prompt
 from osvl.config import opt
 from osvl.errors import ConfigError, EndpointUnavailable
 

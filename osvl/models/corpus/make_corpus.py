@@ -17,7 +17,7 @@ import sys
 import tarfile
 from pathlib import Path
 
-from osvl.agent import format as fmt
+from osvl import chat as fmt
 
 OUT = Path(__file__).with_name("corpus.txt")
 ARTICLE_STRIDE = 20

@@ -168,37 +168,6 @@ def restored_before_search(traj: Any, question: dict[str, Any]) -> bool:
     return True
 
 
-class CachedInProcess:
-    """The in-process tool transport with every call going through the record/replay cache.
-
-    Tools are pure functions of their inputs, so replaying a recorded answer is the same
-    answer; the reverse image search (about 0.3-1 s on 2 cores) is what it saves.
-    """
-
-    def __init__(self, mode: str, root: str = "") -> None:
-        from osvl.tools.cache import ToolCache
-        from osvl.tools.client import InProcessTransport
-
-        self.inner = InProcessTransport()
-        self.cache = ToolCache(root or None, mode=mode)
-
-    async def call(self, name: str, arguments: Any, images: Any, new_image_name: str, timeout_s: float) -> Any:
-        from osvl.tools.base import ToolContext, ToolResult
-
-        tool = self.inner.tools.get(name)
-        if tool is None:
-            return ToolResult.fail("invalid_call", f"unknown tool {name!r}; known: {sorted(self.inner.tools)}")
-        ctx = ToolContext(images, new_image_name, self.inner.max_pixels, self.inner.options)
-        try:
-            return await asyncio.wait_for(asyncio.to_thread(self.cache.call, tool, arguments, ctx), timeout_s)
-        except TimeoutError:
-            return ToolResult.fail("timeout", f"{name} took longer than {timeout_s:g} s")
-
-    async def schemas(self) -> list[dict[str, Any]]:
-        return await self.inner.schemas()
-
-    async def close(self) -> None:
-        pass
 
 
 class ShardWorker:
@@ -264,7 +233,7 @@ class ShardWorker:
         counts: Counter[str] = Counter()
         sem = asyncio.Semaphore(cfg.concurrency)
         store: dict[str, np.ndarray] = {}
-        from osvl.tools.client import ToolClient
+        from osvl.tools.client import CachedInProcess, ToolClient
 
         client = ToolClient(CachedInProcess(cfg.tools.cache, cfg.tools.cache_dir), timeout_s=120.0)
 
