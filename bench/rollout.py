@@ -10,17 +10,16 @@ seconds (what a remote tool service costs). Baseline: the same episodes one at a
 ``--inflight`` episodes at once on one event loop: while some wait on tools, the engine
 batches the others' turns into one ``generate``. Both runs sample at ``--temperature`` with the
 same seeds: 0.5, because at 1.0 the tiny agent drifts off its script often enough that the mean
-episode made 1.8 tool calls (measured 2026-11-30), and the issue's workload is >= 2 per episode;
+episode made fewer than 2 tool calls (docs/measurements.md), the workload this benchmark asks for;
 ``min_tool_calls`` in the output says whether every episode made them. The last stdout line
 is JSON; ``ratio`` = trajectories/s in flight / one at a time (goal >= 8).
 
 Torch runs on ``--threads`` threads (1, as rollout actors do with one CPU each): the tiny
 model's ops are far too small to split, and on a shared, loaded machine two OpenMP threads
-wait on each other at every op (measured under load ~11: a 64-step decode took 38 s on two
-threads, 0.8 s on one).
+wait on each other at every op (many times slower: docs/measurements.md).
 
-text_search runs BM25 only (no MiniLM re-rank): the re-rank is ~0.3-1 s of CPU per call on
-these 2 cores, serialised by the index's lock, which would measure the tool, not rollout;
+text_search runs BM25 only (no MiniLM re-rank): the re-rank costs CPU on every call,
+serialised by the index's lock, which would measure the tool, not rollout;
 remote tools cost this process only their latency, which ``--latency`` stands for.
 
 The tool thread pool is sized to the number of episodes in flight, as a tool service would

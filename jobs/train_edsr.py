@@ -1,7 +1,7 @@
 """Train the default EDSR x4 weights: Ray Train ``TorchTrainer``, data-parallel, gloo on CPU.
 
     python jobs/train_edsr.py                        # demo profile: a few steps, proves the loop
-    python jobs/train_edsr.py --profile=production   # the committed weights (~20 min on 2 CPU cores)
+    python jobs/train_edsr.py --profile=production   # the committed weights (docs/measurements.md: time)
 
 Why train at all: EDSR weights cannot be downloaded here, so the project makes
 its own from real photos (gcompris, OpenCV samples except ``butterfly``,

@@ -7,11 +7,8 @@
   Why the option: on the prefix, [ok, bad, bad, bad] (fatal at once) scores r_fmt 1.0 while a
   non-fatal [ok, bad, ok, bad, ok, wrong answer] scores 0.67, so a policy that does not yet answer
   correctly (r_acc 0 everywhere) is paid for dying early, and the clamp never pushes a fatal
-  trajectory down. Measured on the demo's SFT'd policy (40 GRPO steps, all else equal): on the
-  prefix the reward stayed flat (0.031 -> 0.033), the fatal rate at ~0.22, and 81% of the fatal
-  trajectories with a non-zero advantage had a *positive* one (the paper reports 8%); over the
-  episode 0.027 -> 0.041, fatal rate -> 0, 91% of them negative. Counting the cascade ranks the
-  early death below any attempt that keeps parsing.
+  trajectory down. Counting the cascade ranks the early death below any attempt that keeps
+  parsing (the demo's runs with each setting: docs/measurements.md).
 - **r_acc**: 0 for a fatal trajectory or one without a response; else the rule judge
   (``judge.answer_reward``), or the LLM judge (``judge.LLMJudge``), or the rule first and
   the LLM only where the rule says no (``judge="rule_then_llm"``: the rule's yes is cheap

@@ -12,7 +12,7 @@ makes one honestly, without forced decoding:
    questions (crop -> a new image, text_search, response), fine-tunes the tiny Qwen3-VL on
    the model tokens (``gen_mask``) with a plain AdamW loop, and saves an ordinary
    checkpoint directory, cached under ``$OSVL_CACHE`` keyed by a hash of this file and the
-   base model, so it is built once (about a minute on 2 cores).
+   base model, so it is built once per machine.
 
 Sampled at temperature 1.0 the result mostly calls crop, then text_search, then answers:
 multi-turn episodes with a tool-returned image, of different lengths per question.
@@ -95,9 +95,9 @@ def picture(i: int) -> np.ndarray:
 def agent_tools() -> dict[str, Any]:
     """The real crop and text_search tools, offered with one-line schemas.
 
-    The registry's schemas cost ~700 tokens of system prompt with the tiny model's 4k-token
-    vocabulary; the short form halves every sequence, which is what keeps fine-tuning and
-    the tests that sample from this model fast on 2 cores. The functions are the real ones.
+    The registry's schemas are long for the tiny model's small vocabulary; the short form
+    halves every sequence, which is what keeps fine-tuning and the tests that sample from
+    this model fast on a small CPU machine. The functions are the real ones.
     """
     from osvl.tools.base import Tool
     from osvl.tools.registry import all_tools

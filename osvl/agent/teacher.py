@@ -56,7 +56,7 @@ class OracleConfig:
     reorder_prob: float = opt(0.3, "Chance to search a self-identifying later hop (description/attribute) first.")
     top_k: int = opt(5, "top_k of the oracle's search calls.")
     retry_top_k: int = opt(10, "top_k of a hop's retries: read further down the list when the first query did not "
-                               "name the entity (sample: 580 -> 589 of 600 rollouts correct).")
+                               "name the entity.")
     think: Literal["full", "brief"] = opt(
         "full", "'full': a reason per turn naming what was found and what comes next; 'brief': one fixed phrase "
                 "per action (BRIEF_THINK), for students too small to copy each name twice a turn.")
@@ -303,8 +303,8 @@ class PathOracle:
     def _hop_queries(self, hop: _Hop, question: str, found: dict[int, str], rng: np.random.Generator) -> list[str]:
         """Candidate queries for one hop, best first; every word comes from the question or a response.
 
-        Order measured on the sample (BM25): a description or an attribute finds its entity
-        on its own (97 % and 77 % of hops); the previous entity's name helps typed relations
+        Order (measured on the sample, docs/measurements.md): a description or an attribute
+        usually finds its entity on its own; the previous entity's name helps typed relations
         and categories (categories are not in the index, so only the article text can
         connect them).
         """
@@ -351,7 +351,8 @@ class PathOracle:
 
     def _answer_queries(self, question: str, last: str, rng: np.random.Generator) -> list[str]:
         """The answer is in the last entity's infobox passage: name the entity, the key, and (best) the
-        last hop's own attribute, which sits in that same passage (measured: 58 % -> 77 % of answers shown)."""
+        last hop's own attribute, which sits in that same passage (it shows more answers:
+        docs/measurements.md)."""
         key = find_span(self.answer_key, question)
         if not key:
             return [last]

@@ -61,7 +61,7 @@ class EvalConfig:
     alias_set: str = opt("", "Tool-name alias set of a released checkpoint ('opensearch-vl': web_search, "
                              "layout_parsing and its question prefix); empty = osvl's names.")
     rag_top_k: int = opt(3, "top_k of the rag mode's image and text search.")
-    dense_rerank: bool = opt(True, "text_search's MiniLM re-rank (seconds per query on 2 cores; off for quick runs).")
+    dense_rerank: bool = opt(True, "text_search's MiniLM re-rank of the BM25 hits (slow on CPU; off for quick runs).")
     agent: AgentConfig = opt(AgentConfig(max_turns=6, max_new_tokens=128, max_episode_tokens=3072, temperature=0.0),
                              "Agent budgets (agentic mode; direct and rag use one turn of the same budgets).")
     judge: str = opt("rule", "Answer judge: rule, or llm (the endpoint below; the rule judge runs too and the "

@@ -68,8 +68,8 @@ class TeacherOptions:
 
 @dataclass
 class ToolOptions:
-    dense_rerank: bool = opt(False, "text_search's MiniLM re-rank. Off by default here: BM25 alone answers a "
-                                    "query in ~10 ms, the re-rank took 1-3 s per query on a busy 2-core machine.")
+    dense_rerank: bool = opt(False, "text_search's MiniLM re-rank of the BM25 hits. Off by default here: it costs "
+                                    "CPU per query and the oracle's queries find their entity without it.")
     snippet_chars: int = opt(300, "Characters of passage text_search shows per hit (the tool's default).")
     cache: str = opt("replay", "Tool record/replay cache mode (osvl.tools.cache): the rollouts of one question "
                                "run one after another, so the later ones replay the first one's image search.",

@@ -416,7 +416,7 @@ def cap_shares(table: pa.Table, max_answer_share: float, max_seed_share: float, 
     at all (fewer groups than 1 / share), ``<reason>_infeasible`` in the data card says
     so; then seeds keep their questions (few seeds is what a small KG has), but each
     answer is capped at one question anyway and the surplus dropped (a tree-shaped KG's
-    walks converge on a few final entities, and one answer took 31% of a Wikidata run).
+    walks converge on a few final entities: docs/measurements.md has a Wikidata run).
     """
     table = table.sort_by("id")
     groups = {"seed_share_cap": [p[0]["entity_id"] for p in table.column("path").to_pylist()],

@@ -337,8 +337,8 @@ class HandleTransport:
       concurrently) travel as one Serve request (``call_many``), so Serve's fixed per-request
       cost is paid once per group; the replica still runs and meters each call on its own. A
       lone call is sent on the next tick, so nothing waits for company. Groups hold at most
-      ``group_size`` calls (on 2 cores, sharpen 512x512 at 8 callers: 114 calls/s one by one,
-      148 in pairs, 177 in fours, 189 in eights), so a large burst still spreads over replicas.
+      ``group_size`` calls (larger groups gain less and less: docs/measurements.md), so a large
+      burst still spreads over replicas.
     """
 
     def __init__(self, app_name: str = "osvl_tools", group_size: int = 16) -> None:
@@ -578,7 +578,7 @@ class CachedInProcess:
     """The in-process tool transport with every call going through the record/replay cache.
 
     Tools are pure functions of their inputs, so replaying a recorded answer is the same
-    answer; the reverse image search (about 0.3-1 s on 2 cores) is what it saves.
+    answer; the reverse image search, the slowest tool on CPU, is what it saves.
     """
 
     def __init__(self, mode: str, root: str = "") -> None:

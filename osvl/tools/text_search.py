@@ -17,23 +17,12 @@ inside a 60-item infobox or a 300-name list the matching words drowned (indexing
 of links that point at a page is the classic anchor-text signal of web search). Tokens
 keep numbers whole and one-character words (``TOKEN_PATTERN``).
 
-Measured with the path oracle on 300 sample questions (two rollouts each): the share of
-hops whose entity showed up in a response went from 73 % to 98 % (attribute hops), 39 % to
-98 % (category hops), 90 % to 98 % (description hops); judged-correct rollouts from 35 %
-to 97 %. BM25 top-5 on 200 Wikidata descriptions (index without descriptions, below) went
-from 0.735 to 0.71: the many short fact and link passages compete with the lead, and with
-``dense_recall=10`` the tools issue's acceptance figure fell from 0.875 to 0.79 at the old
-dense weight 0.7; leaning on the embedding (0.85) brings it back to 0.805 (0.81 with a
-re-rank depth of 45, not taken: each query would embed 50 % more articles).
-
-On 200 Wikidata descriptions queried against an index without descriptions the lead
-passage lifted BM25 top-5 from 0.69 to 0.735 (v1 index); the dense re-rank of the best 30
-entities then gives 0.79 (0.84 is the ceiling: the gold entity is outside BM25's best 20
-for 16 % of those queries). ``dense_recall=10`` adds the 10 entities nearest by embedding
-to the candidates (every entity embedded once at build, ~10 min of a busy 2-core CPU for
-the sample, cached): 0.81 on that set, 0.875 on another seeded 200 (which chose the
-setting). It is off by default so that a fresh checkout's first search does not wait for
-the embedding of the whole KG.
+What these passages bought (the oracle found far more hop entities, at a small cost in BM25
+top-5 on descriptions, which the dense weight 0.85 recovers) and what the lead passage and
+``dense_recall`` add are in docs/measurements.md. ``dense_recall=10`` adds the 10 entities
+nearest by embedding to the candidates (every entity embedded once at build, minutes of CPU
+for the sample, cached). It is off by default so that a fresh checkout's first search does
+not wait for the embedding of the whole KG.
 
 Entity score: its best passage's BM25 score plus ``second_weight`` times its second best,
 scaled by ``coverage``: the idf-weighted share of the query's words found anywhere in the
@@ -53,7 +42,7 @@ folder and cached on disk under ``store_root()/text_index/<content hash>/``, the
 covering the table bytes, ``INDEX_VERSION`` and the fields that shape passages
 (``exclude_fields`` drops any of ``FIELDS`` from the index: the acceptance test queries by
 description and must not find it verbatim). Building the sample's index (~210k passages)
-takes ~40 s on a busy 2-core machine, loading it ~2 s. The tool's ``version`` is in every
+takes tens of seconds, loading it a few. The tool's ``version`` is in every
 record/replay cache key (``osvl.tools.cache``): bump it with any change of what the tool
 returns, so that no recording of the old tool is replayed.
 

@@ -7,9 +7,9 @@ CPU, the official ``vllm`` wheel on GPU); importing this module elsewhere raises
 Design, and why:
 
 * **One engine thread owns vLLM.** ``LLMEngine`` runs in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``,
-  uni-process executor): on a 2-core machine the default engine-core and worker processes spin
-  on each other and a 12-token turn took 50 s instead of 2 s, and start-up falls from ~60 s to
-  ~12 s. A single thread adds requests and calls ``step()``; every ``generate`` coroutine (from
+  uni-process executor): on a small CPU machine the default engine-core and worker processes spin
+  on each other, which made turns and start-up many times slower (docs/measurements.md). A single
+  thread adds requests and calls ``step()``; every ``generate`` coroutine (from
   any event loop or thread, e.g. a Ray actor) hands its request over a queue and awaits a
   future, so requests join the running batch between steps (continuous batching) and the
   caller's event loop keeps serving tool calls. The cost: one engine per process, tensor
