@@ -431,7 +431,6 @@ class TrajectoryBuilder:
 
 def question_images(image_dir: Path, row: dict[str, Any]) -> list:
     """The RGB arrays of a synthesized question's images (stored under the synthesize run's images/)."""
-    import numpy as np
     from PIL import Image
 
     out = []
