@@ -1,0 +1,58 @@
+"""The jobs' configs nest shared sections instead of mirroring them: the GRPO rollout's agent and reward
+sections, the difficulty filter inside the synthesize job's config, and typed sub-job overrides of
+jobs/grpo.py. Real profiles, real ``--help`` output, real run folders."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from osvl.agent.expert import TrajConfig
+from osvl.agent.loop import AgentConfig
+from osvl.agent.reward import RewardConfig
+from osvl.config import parse_args
+from osvl.errors import ConfigError
+from osvl.rl.rollout import RolloutConfig
+from osvl.rl.trainer import JOB, GRPOConfig
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_rollout_holds_the_agent_and_reward_sections_the_trajectories_job_holds():
+    rollout, traj = RolloutConfig(), TrajConfig()
+    assert type(rollout.agent) is type(traj.agent) is AgentConfig
+    assert type(rollout.reward) is type(traj.reward) is RewardConfig
+    cfg = parse_args(GRPOConfig, JOB, ["--rollout.agent.max_turns=5", "--rollout.reward.alpha=0.5"])
+    assert cfg.rollout.agent.max_turns == 5 and cfg.rollout.reward.alpha == 0.5
+    with pytest.raises(ConfigError, match="rollout.max_turns"):  # the old mirrored key is gone
+        parse_args(GRPOConfig, JOB, ["--rollout.max_turns=5"])
+
+
+def test_grpo_demo_profile_keeps_its_episode_budgets_and_reward():
+    """The demo's effective values before the sections nested (its reward figures depend on them)."""
+    cfg = parse_args(GRPOConfig, JOB, [])
+    episode, greedy = cfg.rollout.episode_agent(cfg.rl.mask_at), cfg.rollout.episode_agent(greedy=True)
+    assert (episode.max_turns, episode.max_new_tokens, episode.max_episode_tokens) == (6, 128, 3072)
+    assert (episode.k, episode.stop_on_fatal, episode.temperature) == (3, True, 0.7)
+    assert (cfg.rollout.reward.alpha, cfg.rollout.reward.fmt_scope) == (0.8, "episode")
+    assert greedy.temperature == 0.0 and greedy.max_turns == 6  # held-out Pass@1: the same budgets, greedy
+    prod = parse_args(GRPOConfig, JOB, ["--profile=production"])
+    assert (prod.rollout.agent.max_turns, prod.rollout.agent.max_new_tokens) == (16, 1024)
+
+
+def test_rollout_check_refuses_an_llm_judge_and_bad_budgets():
+    cfg = parse_args(GRPOConfig, JOB, ["--rollout.reward.judge=llm"])
+    with pytest.raises(ConfigError, match="rollout.reward.judge"):
+        cfg.rollout.check()
+    with pytest.raises(ConfigError, match="max_turns"):
+        parse_args(GRPOConfig, JOB, ["--rollout.agent.max_turns=0"]).rollout.check()
+
+
+def test_grpo_help_lists_the_nested_sections():
+    out = subprocess.run([sys.executable, str(REPO / "jobs" / "grpo.py"), "--help"], capture_output=True,
+                         text=True, timeout=120, check=True).stdout
+    assert "--rollout.agent.max_turns=" in out and "--rollout.reward.fmt_scope=" in out
+    assert "--rollout.max_turns=" not in out
