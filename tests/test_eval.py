@@ -243,10 +243,11 @@ def test_an_unreachable_llm_judge_marks_the_item_judge_failed_not_wrong():
 
     import numpy as np
 
-    from osvl.agent.engines.openai import EndpointConfig, OpenAIChatEngine
+    from osvl.agent.engines.openai import OpenAIChatEngine
     from osvl.agent.evaluate import evaluate_item
     from osvl.agent.judge import LLMJudge
     from osvl.agent.loop import AgentConfig
+    from osvl.endpoint import EndpointConfig
     from osvl.models.load import load_processor
     from osvl.models.tiny import tiny_checkpoint
 
