@@ -56,3 +56,31 @@ def test_grpo_help_lists_the_nested_sections():
                          text=True, timeout=120, check=True).stdout
     assert "--rollout.agent.max_turns=" in out and "--rollout.reward.fmt_scope=" in out
     assert "--rollout.max_turns=" not in out
+
+
+def test_synthesize_help_lists_the_difficulty_filter_settings():
+    out = subprocess.run([sys.executable, str(REPO / "jobs" / "synthesize.py"), "--help"], capture_output=True,
+                         text=True, timeout=120, check=True).stdout
+    for key in ("stages", "engine", "model", "endpoint.base_url", "max_new_tokens", "top_k", "report"):
+        assert f"--filter.difficulty.{key}=" in out, key
+    tracked = subprocess.run(["git", "grep", "-l", "OSVL_" + "DIFFICULTY"], cwd=REPO, capture_output=True, text=True)
+    assert tracked.stdout == "", tracked.stdout  # the environment no longer configures the filter
+
+
+def test_two_difficulty_settings_land_in_two_run_folders(tmp_path):
+    from osvl.config import run_dir
+    from osvl.synth.pipeline import JOB as SYNTH
+    from osvl.synth.pipeline import SynthConfig, validate
+
+    base = [f"--run.root={tmp_path}", "--filter.stage=osvl.synth.difficulty:DifficultyFilter"]
+    one = parse_args(SynthConfig, SYNTH, [*base, "--filter.difficulty.stages=one_image_search"])
+    two = parse_args(SynthConfig, SYNTH, [*base, "--filter.difficulty.stages=one_image_search",
+                                          "--filter.difficulty.top_k=3"])
+    moved = parse_args(SynthConfig, SYNTH, [*base, "--filter.difficulty.stages=one_image_search",
+                                            f"--filter.difficulty.report={tmp_path / 'drops.jsonl'}"])
+    folders = {run_dir(cfg, SYNTH) for cfg in (one, two, moved)}
+    assert len(folders) == 2 and run_dir(one, SYNTH) == run_dir(moved, SYNTH)  # where to report is not a setting
+    assert all((f / "config.yaml").is_file() and f.parent == tmp_path / SYNTH for f in folders)
+    assert "top_k: 3" in (run_dir(two, SYNTH) / "config.yaml").read_text()
+    with pytest.raises(ConfigError, match="filter.difficulty.stages"):
+        validate(parse_args(SynthConfig, SYNTH, ["--filter.difficulty.stages=no_tools,three_hops"]))

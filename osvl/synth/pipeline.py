@@ -50,6 +50,7 @@ from osvl.config import RunConfig, config_hash, from_dict, opt, run_dir, to_dict
 from osvl.endpoint import EndpointConfig
 from osvl.errors import ConfigError
 from osvl.synth.degrade import UNDO_TOOL, degrade
+from osvl.synth.difficulty import DifficultyConfig
 from osvl.synth.invariants import fold, violations
 from osvl.synth.rewrite import llm_rewrite, template_rewrite
 from osvl.synth.walks import SPLITS, Graph, WalkConfig, assign_splits, random_walk
@@ -83,10 +84,12 @@ class DegradeOptions:
 
 @dataclass
 class FilterOptions:
-    stage: str = opt("", "Difficulty filter stage as module:Class (a Ray Data map_batches callable class "
-                     "taking and returning a pyarrow.Table); empty = no filter.")
+    stage: str = opt("", "Difficulty filter stage as module:Class: a Ray Data map_batches callable class, "
+                     "constructed with this job's config, taking and returning a pyarrow.Table; empty = no "
+                     "filter. osvl.synth.difficulty:DifficultyFilter is osvl's (settings: filter.difficulty).")
     concurrency: int = opt(1, "Actors of the filter stage.", hashed=False)
     num_gpus: float = opt(0.0, "GPUs per filter actor.", hashed=False)
+    difficulty: DifficultyConfig = opt(DifficultyConfig, "Settings of osvl.synth.difficulty:DifficultyFilter.")
 
 
 @dataclass
@@ -112,7 +115,7 @@ class SynthConfig:
     walk: WalkOptions = opt(WalkOptions, "Random walks.")
     rewriter: RewriterOptions = opt(RewriterOptions, "Question rewriting.")
     degrade: DegradeOptions = opt(DegradeOptions, "Image degradation.")
-    filter: FilterOptions = opt(FilterOptions, "Difficulty filter stage slot (filled by the agent issue).")
+    filter: FilterOptions = opt(FilterOptions, "Difficulty filter stage slot and osvl's filter's settings.")
 
 
 def validate(cfg: SynthConfig) -> None:
@@ -134,6 +137,7 @@ def validate(cfg: SynthConfig) -> None:
         raise ConfigError(f"rewriter.kind must be template or llm, got {cfg.rewriter.kind!r}")
     if cfg.rewriter.kind == "llm":
         cfg.rewriter.endpoint.check("rewriter.endpoint")
+    cfg.filter.difficulty.check()
     if cfg.num_shards < 1 or cfg.workers < 1 or cfg.questions_per_seed < 1 or cfg.patience < 1:
         raise ConfigError("num_shards, workers, questions_per_seed and patience must be >= 1")
 
@@ -391,6 +395,7 @@ def _apply_filter_stage(cfg: SynthConfig, table: pa.Table) -> pa.Table:
     except (ImportError, AttributeError, ValueError) as e:
         raise ConfigError(f"filter.stage {cfg.filter.stage!r} cannot be imported: {e}") from None
     ds = ray.data.from_arrow(table).map_batches(stage_cls, batch_format="pyarrow", num_gpus=cfg.filter.num_gpus or None,
+                                                fn_constructor_args=(cfg,),
                                                 compute=ray.data.ActorPoolStrategy(size=cfg.filter.concurrency))
     parts = [pa.Table.from_batches([b]) if isinstance(b, pa.RecordBatch) else b
              for b in ds.iter_batches(batch_format="pyarrow", batch_size=None)]
