@@ -84,3 +84,44 @@ def test_two_difficulty_settings_land_in_two_run_folders(tmp_path):
     assert "top_k: 3" in (run_dir(two, SYNTH) / "config.yaml").read_text()
     with pytest.raises(ConfigError, match="filter.difficulty.stages"):
         validate(parse_args(SynthConfig, SYNTH, ["--filter.difficulty.stages=no_tools,three_hops"]))
+
+
+def _grpo_job():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("grpo_job", REPO / "jobs" / "grpo.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_sub_job_overrides_are_typed_by_the_sub_jobs_configs():
+    grpo = _grpo_job()
+    args = ["--synth.walk.hops=2,3", "--synth.walk.hop_probs=0.5,0.5", "--sft.epochs=4", "--sft.max_len=1024",
+            "--trajectories.agent.max_turns=12", "--trajectories.teacher.oracle.think=full"]
+    cfg = grpo.sub_job_overrides(parse_args(GRPOConfig, JOB, []), args)
+    assert cfg.synth["walk"] == {"hops": [2, 3], "hop_probs": [0.5, 0.5]}
+    assert cfg.synth["degrade"] == {"share": 0.0}  # the demo profile's entries stay beside the flags
+    assert cfg.sft["epochs"] == 4.0 and isinstance(cfg.sft["epochs"], float) and cfg.sft["max_len"] == 1024
+    assert cfg.trajectories["agent"] == {"max_turns": 12} and cfg.trajectories["max_questions"] == 400
+    assert cfg.trajectories["teacher"]["oracle"] == {"top_k": 3, "think": "full"}
+
+
+@pytest.mark.parametrize(("flag", "message"), [
+    ("--synth.walk.hopz=2", "unknown config key 'synth.walk.hopz'"),
+    ("--sft.epochs=many", "sft.epochs: expected float"),
+    ("--trajectories.agent.max_turns=2.5", "trajectories.agent.max_turns: expected int"),
+    ("--synth.num_shards.x=1", "synth.num_shards is not a section"),
+])
+def test_a_wrong_sub_job_key_or_type_fails_at_start_naming_it(flag, message, tmp_path, capsys):
+    grpo = _grpo_job()
+    with pytest.raises(ConfigError, match=message.replace(".", r"\.")):
+        grpo.main([f"--run.root={tmp_path}", flag])
+    assert capsys.readouterr().out == "" and not any(tmp_path.iterdir())  # nothing printed, nothing built
+
+
+def test_a_wrong_sub_job_entry_in_a_profile_fails_at_start(tmp_path):
+    profile = tmp_path / "bad.yaml"
+    profile.write_text("sft:\n  data:\n    n_evl: 3\n")
+    with pytest.raises(ConfigError, match=r"unknown config key 'sft\.data\.n_evl'"):
+        _grpo_job().main([f"--profile={profile}", f"--run.root={tmp_path}"])
