@@ -1,8 +1,8 @@
 """The one OpenAI-compatible chat endpoint: its config section and its client.
 
 Teachers, judges (``osvl.agent.engines.openai``), the LLM question rewriter
-(``osvl.synth.rewrite``), the difficulty filter's no-tools model and the evaluation job's
-``openai:NAME`` baselines all talk to ``POST {base_url}/chat/completions`` through
+(``osvl.synth.rewrite``), the difficulty filter's no-tools model, the evaluation job's
+``openai:NAME`` baselines and the web search's page summariser (``osvl.tools.web``) all talk to ``POST {base_url}/chat/completions`` through
 ``ChatClient``, configured by one ``EndpointConfig`` section, so a timeout, a retry policy or
 an API-key rule is written, documented and tested once.
 
