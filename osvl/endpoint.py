@@ -2,9 +2,10 @@
 
 Teachers, judges (``osvl.agent.engines.openai``), the LLM question rewriter
 (``osvl.synth.rewrite``), the difficulty filter's no-tools model, the evaluation job's
-``openai:NAME`` baselines and the web search's page summariser (``osvl.tools.web``) all talk to ``POST {base_url}/chat/completions`` through
-``ChatClient``, configured by one ``EndpointConfig`` section, so a timeout, a retry policy or
-an API-key rule is written, documented and tested once.
+``openai:NAME`` baselines and the web search's page summariser (``osvl.tools.web``) all
+talk to ``POST {base_url}/chat/completions`` through ``ChatClient``, configured by one
+``EndpointConfig`` section, so a timeout, a retry policy or an API-key rule is written,
+documented and tested once.
 
 Why not the ``openai`` package: it is a test-only dependency here, and what osvl needs is a
 small subset (one POST, a bearer key, retries) on the aiohttp session the rest of the code
