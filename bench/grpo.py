@@ -72,6 +72,7 @@ class CpuMeter(threading.Thread):
 
 def measure(staleness: int, steps: int, model: Path, qdir: Path, questions: list[dict], root: Path,
             schemas: Path, meter: CpuMeter) -> dict:
+    from osvl.agent.loop import AgentConfig
     from osvl.config import RunConfig
     from osvl.rl.learner import RLConfig
     from osvl.rl.rollout import RolloutConfig
@@ -79,9 +80,9 @@ def measure(staleness: int, steps: int, model: Path, qdir: Path, questions: list
 
     parts = GRPOParts(
         run=RunConfig(seed=0), rl=RLConfig(group_size=4, lr=1e-4, beta=0.0, max_len=4096),
-        rollout=RolloutConfig(num_actors=1, cpus_per_actor=1, groups_in_flight=4, max_turns=4, max_new_tokens=64,
-                              max_episode_tokens=4096, tool_latency_s=0.2, offer=["crop", "text_search"],
-                              schemas=str(schemas)),
+        rollout=RolloutConfig(num_actors=1, cpus_per_actor=1, groups_in_flight=4, tool_latency_s=0.2,
+                              offer=["crop", "text_search"], schemas=str(schemas),
+                              agent=AgentConfig(max_turns=4, max_new_tokens=64, max_episode_tokens=4096)),
         learner=LearnerConfig(num_workers=1, threads_per_worker=1, zero_stage=2),
         train=TrainConfig(steps=steps, groups_per_step=2, max_staleness=staleness, ckpt_every=10_000))
     res = train(parts, model, questions, qdir / "images", root / f"s{staleness}", log=lambda m: None)

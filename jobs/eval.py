@@ -1,7 +1,7 @@
 """Pass@1 of a model on benchmark files in the direct, RAG and agentic modes (see osvl/eval/job.py).
 
     python jobs/eval.py --benchmarks=FILE[,FILE] --modes=direct,rag,agentic --model=DIR
-    python jobs/eval.py --benchmarks=FILE --model=openai:NAME --base_url=http://127.0.0.1:8000/v1
+    python jobs/eval.py --benchmarks=FILE --model=openai:NAME --endpoint.base_url=http://127.0.0.1:8000/v1
     python jobs/eval.py --benchmarks=runs/synthesize/HASH/heldout.parquet --model=oracle --modes=agentic
 
 Rerunning the same command resumes: items already in <run_dir>/items.jsonl are not redone.

@@ -24,6 +24,7 @@ def main(argv: list[str] | None = None) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
     cfg = parse_args(GRPOConfig, JOB, [a for a in args if not a.startswith(SUB_JOBS)])
     cfg = sub_job_overrides(cfg, [a for a in args if a.startswith(SUB_JOBS)])
+    cfg.rollout.check()  # before the sub-jobs, which may run for an hour
     print(dump(cfg), flush=True)
     s = run(cfg, log=lambda msg: print(msg, flush=True))
     # `make demo` runs this job; its last line says whether the whole chain ran (the test greps it)
@@ -42,22 +43,39 @@ def main(argv: list[str] | None = None) -> None:
 SUB_JOBS = ("--synth.", "--trajectories.", "--sft.")
 
 
+def sub_job_configs() -> dict[str, type]:
+    """The config class of each sub-job whose overrides GRPOConfig carries (its synth/trajectories/sft dicts)."""
+    from osvl.synth.expert import TrajConfig
+    from osvl.synth.pipeline import SynthConfig
+    from osvl.train.sft import SftConfig
+
+    return {"synth": SynthConfig, "trajectories": TrajConfig, "sft": SftConfig}
+
+
 def sub_job_overrides(cfg: GRPOConfig, args: list[str]) -> GRPOConfig:
-    """``--sft.max_len=1024`` and the like: dotted keys into the other jobs' override dicts, values
-    read as YAML (the sub-job's own config checks their types when it is built)."""
+    """``--sft.max_len=1024`` and the like: dotted keys into the sub-jobs' override dicts, each value read
+    by the type of that field in the sub-job's config, as every other flag is. Then the dicts as a whole,
+    the profile's entries included, are checked against those configs: a wrong key or type fails here,
+    at start, with a ``ConfigError`` naming it (``synth.walk.hopz``), not when the sub-job is built."""
+    import copy
     import dataclasses
 
-    import yaml
+    from osvl.config import merge, parse_value
 
-    subs = {"synth": dict(cfg.synth), "trajectories": dict(cfg.trajectories), "sft": dict(cfg.sft)}
+    classes = sub_job_configs()
+    subs = {name: copy.deepcopy(getattr(cfg, name)) for name in classes}
     for arg in args:
         key, _, text = arg[2:].partition("=")
-        section, *path = key.split(".")
+        section, _, dotted = key.partition(".")
+        value = parse_value(classes[section], dotted, text, prefix=section + ".")
+        *path, last = dotted.split(".")
         node = subs[section]
-        for part in path[:-1]:
+        for part in path:
             node[part] = dict(node.get(part) or {})
             node = node[part]
-        node[path[-1]] = yaml.safe_load(text)
+        node[last] = value
+    for name, cls in classes.items():
+        merge(cls(), subs[name], prefix=name + ".")
     return dataclasses.replace(cfg, **subs)
 
 

@@ -263,21 +263,30 @@ def to_dict(cfg: Any) -> dict[str, Any]:
     return dataclasses.asdict(cfg)
 
 
-def apply_override(cfg: T, dotted: str, text: str) -> T:
-    """Apply one ``dotted.key=text`` override, parsing ``text`` by the field's type."""
+def parse_value(cls: type, dotted: str, text: str, prefix: str = "") -> Any:
+    """The command-line ``text`` of field ``dotted`` of ``cls``, read and checked by that field's type.
+
+    ``prefix`` is where ``cls`` sits in a larger config (``synth.`` for jobs/grpo.py's sub-job
+    overrides), so that an error names the key the user typed.
+    """
     parts = dotted.split(".")
-    cls = type(cfg)
     tp: Any = cls
     for i, part in enumerate(parts):
         if not dataclasses.is_dataclass(tp):
-            raise ConfigError(f"{'.'.join(parts[:i])} is not a section; cannot set {dotted!r}")
+            raise ConfigError(f"{prefix}{'.'.join(parts[:i])} is not a section; cannot set {prefix + dotted!r}")
         fields = _fields(tp)
         if part not in fields:
-            raise _unknown(dotted, part, sorted(fields))
+            raise _unknown(prefix + dotted, part, sorted(fields))
         tp = fields[part][1]
-    value = _from_text(text, tp, dotted)
-    nested: Any = value
-    for part in reversed(parts):
+    value = _from_text(text, tp, prefix + dotted)
+    # a section given as JSON stays a mapping, which merges into the section instead of replacing it
+    return value if dataclasses.is_dataclass(tp) else _check(value, tp, prefix + dotted)
+
+
+def apply_override(cfg: T, dotted: str, text: str) -> T:
+    """Apply one ``dotted.key=text`` override, parsing ``text`` by the field's type."""
+    nested: Any = parse_value(type(cfg), dotted, text)
+    for part in reversed(dotted.split(".")):
         nested = {part: nested}
     return merge(cfg, nested)
 

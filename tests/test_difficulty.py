@@ -17,8 +17,9 @@ import pyarrow as pa
 import pytest
 
 from osvl.agent.evaluate import NO_TOOLS_SYSTEM
+from osvl.config import apply_override
 from osvl.synth.difficulty import DifficultyFilter, answer_in
-from osvl.synth.pipeline import ROW_SCHEMA
+from osvl.synth.pipeline import ROW_SCHEMA, SynthConfig
 
 TOWER_BRIDGE = "details_image_towerbridgelondon_background.jpg"
 MOON = "skimage_data_moon.jpg"
@@ -40,6 +41,14 @@ CONTROL = row("control", "What crater of the subject of the image is named after
 def test_answer_in_is_whole_words():
     assert answer_in("1. Tower Bridge — Bridge over the Thames in London", "the Thames", [])
     assert not answer_in("Thameside", "Thames", []) and answer_in("x", "nope", ["X"])
+
+
+def synth_config(**difficulty: str) -> SynthConfig:
+    """The synthesize job's config with ``filter.difficulty`` overridden as on its command line."""
+    cfg = SynthConfig()
+    for key, text in difficulty.items():
+        cfg = apply_override(cfg, f"filter.difficulty.{key}", text)
+    return cfg
 
 
 def _finetune_on_planted(out, steps=50):
@@ -77,14 +86,12 @@ def _finetune_on_planted(out, steps=50):
 
 
 @pytest.mark.slow
-def test_stage_one_drops_what_the_model_knows_and_stage_two_what_one_search_gives(tmp_path, monkeypatch):
+def test_stage_one_drops_what_the_model_knows_and_stage_two_what_one_search_gives(tmp_path):
     losses = _finetune_on_planted(tmp_path / "model")
     assert losses[-1] < 0.05 * losses[0]
     report = tmp_path / "report.jsonl"
-    monkeypatch.setenv("OSVL_DIFFICULTY", json.dumps({"model": str(tmp_path / "model"), "engine": "hf",
-                                                      "report": str(report)}))
     table = pa.Table.from_pylist([PLANTED, GIVEAWAY, CONTROL], schema=ROW_SCHEMA)
-    kept = DifficultyFilter()(table)
+    kept = DifficultyFilter(synth_config(model=str(tmp_path / "model"), engine="hf", report=str(report)))(table)
     assert kept.column("id").to_pylist() == ["control"]
     counts = json.loads(report.read_text().splitlines()[-1])
     assert counts["no_tools:answered_without_tools"] == 1
@@ -92,9 +99,9 @@ def test_stage_one_drops_what_the_model_knows_and_stage_two_what_one_search_give
     assert counts["rows"] == 3 and counts["kept"] == 1
 
 
-def test_stage_two_alone_without_a_model(tmp_path, monkeypatch):
-    monkeypatch.setenv("OSVL_DIFFICULTY", json.dumps({"stages": ["one_image_search"], "report": str(tmp_path / "r")}))
+def test_stage_two_alone_without_a_model(tmp_path):
     table = pa.Table.from_pylist([PLANTED, GIVEAWAY, CONTROL], schema=ROW_SCHEMA)
-    assert DifficultyFilter()(table).column("id").to_pylist() == ["planted", "control"]
-    monkeypatch.setenv("OSVL_DIFFICULTY", json.dumps({"stages": ["no_tools"]}))
-    assert DifficultyFilter()(table).num_rows == 3  # no model configured: stage 1 is skipped (and counted)
+    only_search = synth_config(stages="one_image_search", report=str(tmp_path / "r"))
+    assert DifficultyFilter(only_search)(table).column("id").to_pylist() == ["planted", "control"]
+    # no model configured: stage 1 is skipped (and counted)
+    assert DifficultyFilter(synth_config(stages="no_tools"))(table).num_rows == 3

@@ -198,6 +198,7 @@ def test_grpo_pass_at_1_and_sft_format_check_run_through_the_core(questions, mon
     import asyncio
 
     import osvl.agent.evaluate as core
+    from osvl.agent.loop import AgentConfig
     from osvl.models.tiny import tiny_checkpoint
     from osvl.rl.rollout import RolloutConfig, _eval_episodes, pass_at_1
     from osvl.train.format_check import first_turns, format_check
@@ -213,7 +214,7 @@ def test_grpo_pass_at_1_and_sft_format_check_run_through_the_core(questions, mon
 
     monkeypatch.setattr(core, "evaluate_item", counting)
     model = tiny_checkpoint("qwen3_vl")
-    cfg = RolloutConfig(offer=["image_search", "text_search"], max_turns=2, max_new_tokens=16)
+    cfg = RolloutConfig(offer=["image_search", "text_search"], agent=AgentConfig(max_turns=2, max_new_tokens=16))
     # pass_at_1 runs its episodes in a Ray task (never the driver): the spy watches them in this process
     assert asyncio.run(_eval_episodes(str(model), rows, str(qdir / "images"), cfg, 16)) == [0.0, 0.0]
     assert pass_at_1(model, rows, qdir / "images", cfg) == 0.0  # the untrained model never answers
@@ -243,10 +244,11 @@ def test_an_unreachable_llm_judge_marks_the_item_judge_failed_not_wrong():
 
     import numpy as np
 
-    from osvl.agent.engines.openai import EndpointConfig, OpenAIChatEngine
+    from osvl.agent.engines.openai import OpenAIChatEngine
     from osvl.agent.evaluate import evaluate_item
     from osvl.agent.judge import LLMJudge
     from osvl.agent.loop import AgentConfig
+    from osvl.endpoint import EndpointConfig
     from osvl.models.load import load_processor
     from osvl.models.tiny import tiny_checkpoint
 

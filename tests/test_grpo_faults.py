@@ -25,6 +25,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from osvl.agent.loop import AgentConfig
 from osvl.config import RunConfig
 from osvl.rl.learner import RLConfig
 from osvl.rl.rollout import RolloutConfig
@@ -63,8 +64,8 @@ def agent_model() -> Path:
     return tiny_agent_checkpoint()
 
 
-ROLLOUT = dict(num_actors=1, cpus_per_actor=1, groups_in_flight=2, max_turns=3, max_new_tokens=48,
-               max_episode_tokens=2048, offer=["crop", "text_search"])
+ROLLOUT = dict(num_actors=1, cpus_per_actor=1, groups_in_flight=2, offer=["crop", "text_search"],
+               agent=AgentConfig(max_turns=3, max_new_tokens=48, max_episode_tokens=2048))
 
 
 def test_killed_rollout_actor_groups_are_reissued_and_accounted_once(questions_dir, tmp_path, ray_cluster):
@@ -134,7 +135,8 @@ def _job(questions_dir: Path, model: Path, root: Path) -> list[str]:
             f"--questions={questions_dir}", f"--model={model}", "--eval.n_heldout=0", "--rl.group_size=4",
             "--rl.lr=1e-4", "--rl.beta=0.001", f"--train.steps={STEPS}", "--train.groups_per_step=2",
             "--train.max_staleness=1", "--train.ckpt_every=1", f"--train.keep={STEPS}", "--rollout.groups_in_flight=2",
-            "--rollout.max_turns=3", "--rollout.max_new_tokens=64", "--rollout.max_episode_tokens=2048",
+            "--rollout.agent.max_turns=3", "--rollout.agent.max_new_tokens=64",
+            "--rollout.agent.max_episode_tokens=2048",
             "--rollout.offer=crop,text_search", f"--rollout.schemas={questions_dir / 'schemas.json'}"]
 
 

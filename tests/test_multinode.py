@@ -37,7 +37,8 @@ def grpo_args(root: str) -> list[str]:
             "--sft.max_len=1024", "--sft.num_workers=1",
             "--rl.group_size=2", "--rl.max_len=2048", f"--train.steps={STEPS}", "--train.groups_per_step=2",
             "--train.ckpt_every=1", "--rollout.num_actors=2", "--rollout.num_gpus=0.5", "--rollout.role_units=1",
-            "--rollout.max_turns=3", "--rollout.max_new_tokens=32", "--rollout.max_episode_tokens=2048",
+            "--rollout.agent.max_turns=3", "--rollout.agent.max_new_tokens=32",
+            "--rollout.agent.max_episode_tokens=2048",
             "--learner.role_units=1", "--eval.n_heldout=2", "--eval.concurrency=2"]
 
 

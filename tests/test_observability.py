@@ -168,8 +168,9 @@ def test_prometheus_scrapes_a_grpo_job_by_osvl_labels_and_fires_the_fatal_rate_a
     cmd = [sys.executable, str(REPO / "jobs" / "grpo.py"), f"--run.root={tmp_path / 'runs'}", f"--run.name={run}",
            f"--questions={questions}", f"--model={tiny_checkpoint('qwen3_vl')}", "--eval.n_heldout=0",
            "--rl.group_size=2", "--rl.beta=0", "--train.steps=200", "--train.groups_per_step=1",
-           "--train.ckpt_every=1000", "--rollout.groups_in_flight=2", "--rollout.max_turns=3",
-           "--rollout.max_new_tokens=24", "--rollout.offer=crop,text_search",
+           "--train.ckpt_every=1000", "--rollout.groups_in_flight=2", "--rollout.agent.max_turns=3",
+           "--rollout.agent.max_new_tokens=24", "--rollout.agent.max_episode_tokens=2048",
+           "--rollout.offer=crop,text_search",
            f"--rollout.schemas={questions / 'schemas.json'}"]
     env = {**os.environ, "RAY_ADDRESS": "", "RAY_TMPDIR": str(tmp)}
 

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from osvl.agent.engines.base import Sampling
-from osvl.agent.engines.openai import EndpointConfig, OpenAIChatEngine
+from osvl.agent.engines.openai import OpenAIChatEngine
 from osvl.agent.judge import LLMJudge, parse_verdict
 from osvl.agent.reward import (
     ProcessJudge,
@@ -29,6 +29,7 @@ from osvl.agent.reward import (
 )
 from osvl.agent.trajectory import Trajectory, Turn
 from osvl.cluster import free_port
+from osvl.endpoint import EndpointConfig
 from osvl.errors import ConfigError, EndpointUnavailable
 
 QUESTION = {"id": "q1", "question": "What is the capital of the country that the bridge in the image is in?",

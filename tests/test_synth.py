@@ -311,8 +311,9 @@ class ChatServer:
 
 
 def test_llm_rewriter_over_http_keeps_only_safe_paraphrases(graph):
+    from osvl.endpoint import EndpointConfig
     from osvl.synth.invariants import violations
-    from osvl.synth.rewrite import Draft, LLMConfig, llm_rewrite
+    from osvl.synth.rewrite import Draft, llm_rewrite
 
     rows, _, _ = _rows(graph, n=9)
     drafts = [Draft(r["question"], r["path"], r["answer_key"], r["answer"], r["answer_aliases"]) for r in rows]
@@ -324,13 +325,14 @@ def test_llm_rewriter_over_http_keeps_only_safe_paraphrases(graph):
             return 200, "Tell me: " + question[len("What is "):].rstrip("?") + "?"
         if i % 3 == 1:  # a paraphrase that names the final entity: must be refused
             return 200, question.rstrip("?") + f", i.e. {d.path[-1]['title']}?"
-        return 503, ""
+        return 503, ""  # for good: still failing after the retries
 
     with ChatServer(reply) as server:
-        cfg = LLMConfig(base_url=f"http://127.0.0.1:{server.port}/v1", model="tiny", max_concurrency=3)
+        cfg = EndpointConfig(base_url=f"http://127.0.0.1:{server.port}/v1", model="tiny", max_concurrency=3,
+                             retries=1, backoff_s=0.01)
         counts: Counter[str] = Counter()
         texts = llm_rewrite(cfg, graph, drafts, counts)
-    assert len(server.requests) == 9 and server.requests[0]["model"] == "tiny"
+    assert len(server.requests) == 9 + 3 and server.requests[0]["model"] == "tiny"  # each 503 asked twice
     assert counts == {"llm_used": 3, "llm_leak": 3, "llm_error": 3}
     for i, (text, row) in enumerate(zip(texts, rows, strict=True)):
         if i % 3 == 0:
@@ -339,13 +341,37 @@ def test_llm_rewriter_over_http_keeps_only_safe_paraphrases(graph):
             assert text == row["question"]
 
 
+def test_llm_rewriter_retries_after_a_5xx(graph):
+    """A rewrite whose first request meets an overloaded server (503) is asked again and used."""
+    from osvl.endpoint import EndpointConfig
+    from osvl.synth.rewrite import Draft, llm_rewrite
+
+    rows, _, _ = _rows(graph, n=2)
+    drafts = [Draft(r["question"], r["path"], r["answer_key"], r["answer"], r["answer_aliases"]) for r in rows]
+    seen: Counter[str] = Counter()
+
+    def reply(question):
+        seen[question] += 1
+        if seen[question] == 1:
+            return 503, ""
+        return 200, "Tell me: " + question[len("What is "):].rstrip("?") + "?"
+
+    with ChatServer(reply) as server:
+        cfg = EndpointConfig(base_url=f"http://127.0.0.1:{server.port}/v1", model="tiny", backoff_s=0.01)
+        counts: Counter[str] = Counter()
+        texts = llm_rewrite(cfg, graph, drafts, counts)
+    assert len(server.requests) == 4 and set(seen.values()) == {2}
+    assert counts == {"llm_used": 2} and all(t.startswith("Tell me: ") for t in texts)
+
+
 def test_llm_rewriter_missing_key_env_is_a_config_error(graph):
-    from osvl.synth.rewrite import Draft, LLMConfig, llm_rewrite
+    from osvl.endpoint import EndpointConfig
+    from osvl.synth.rewrite import Draft, llm_rewrite
 
     rows, _, _ = _rows(graph, n=1)
     d = Draft(rows[0]["question"], rows[0]["path"], rows[0]["answer_key"], rows[0]["answer"], [])
-    cfg = LLMConfig(base_url="http://127.0.0.1:9/v1", model="m", api_key_env="OSVL_TEST_UNSET_KEY_VAR")
-    with pytest.raises(ConfigError):
+    cfg = EndpointConfig(base_url="http://127.0.0.1:9/v1", model="m", api_key_env="OSVL_TEST_UNSET_KEY_VAR")
+    with pytest.raises(ConfigError, match="rewriter.endpoint.api_key_env"):
         llm_rewrite(cfg, graph, [d], Counter())
 
 
@@ -362,8 +388,9 @@ def test_shard_synthesis_with_the_llm_rewriter(graph, tmp_path):
 
     with ChatServer(reply) as server:
         cfg = SynthConfig(num_shards=2, questions_per_seed=6)
-        for key, value in [("rewriter.kind", "llm"), ("rewriter.base_url", f"http://127.0.0.1:{server.port}/v1"),
-                           ("rewriter.model", "tiny")]:
+        for key, value in [("rewriter.kind", "llm"),
+                           ("rewriter.endpoint.base_url", f"http://127.0.0.1:{server.port}/v1"),
+                           ("rewriter.endpoint.model", "tiny")]:
             cfg = apply_override(cfg, key, value)
         shards, split_of = plan(graph, cfg)
         rows, counts = synthesize_shard(graph, cfg, 0, shards[0], split_of, ImageStore(graph, tmp_path / "img"))

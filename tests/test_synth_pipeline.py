@@ -72,6 +72,9 @@ import pyarrow.compute as pc
 class KeepTwoHops:
     """Stands in for the difficulty filter: a callable class over pyarrow batches, as the slot expects."""
 
+    def __init__(self, synth_cfg):
+        assert synth_cfg.filter.stage == "keep_two:KeepTwoHops"  # the slot hands each stage the job's config
+
     def __call__(self, batch: pa.Table) -> pa.Table:
         return batch.filter(pc.equal(batch.column("hops"), 2))
 '''

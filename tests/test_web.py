@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import pytest
 
 import osvl.tools.text_search  # noqa: F401 - registers text_search
+from osvl.endpoint import EndpointConfig
 from osvl.errors import ConfigError, ToolCallError
 from osvl.tools.base import REGISTRY, ToolContext, call_tool
 from osvl.tools.web import FetchRefused, Guard, WebConfig, WebSearch, fetch_url, html_text
@@ -246,9 +247,11 @@ def test_html_text_keeps_visible_text_only():
     assert html_text(GUSTAVE_HTML.encode(), "text/html")[1].startswith("Alexandre Gustave Eiffel (15 December 1832 –")
 
 
-def _web_cfg(replay: Replay, **kw) -> WebConfig:
-    base = {"search_url": f"{replay.base}/search", "llm_url": f"{replay.base}/v1", "llm_model": "replay-model",
-            "allow": [f"127.0.0.1:{replay.port}"], "timeout_s": 5.0}
+def _web_cfg(replay: Replay, summary_url: str | None = None, **kw) -> WebConfig:
+    summary = EndpointConfig(base_url=f"{replay.base}/v1" if summary_url is None else summary_url,
+                             model="replay-model", api_key_env="OPENAI_API_KEY", timeout_s=5.0, retries=0)
+    base = {"search_url": f"{replay.base}/search", "summary": summary, "allow": [f"127.0.0.1:{replay.port}"],
+            "timeout_s": 5.0}
     return WebConfig(**{**base, **kw})
 
 
@@ -293,7 +296,7 @@ def test_web_backend_failures_are_typed(replay, monkeypatch):
     assert res.error.kind == "unavailable" and "HTTP 401" in res.error.message
     # without a summariser the page's first words stand in
     monkeypatch.delenv("OPENAI_API_KEY")
-    plain = WebSearch(_web_cfg(replay, llm_url=""))
+    plain = WebSearch(_web_cfg(replay, summary_url=""))
     hits = plain.search("eiffel", 1)
     assert "Eiffel Tower The Eiffel Tower is a wrought-iron lattice tower" in hits[0].summary
     assert "\n" not in hits[0].summary and plain.backend_id != WebSearch(_web_cfg(replay)).backend_id

@@ -15,7 +15,7 @@ rerun with the same model replays the same tool answers and gives the same score
 
 Models (``model``): a checkpoint directory (token engine ``engine``: hf or vllm),
 ``tiny-agent`` / ``tiny`` (the cached tiny checkpoints), ``openai:NAME`` (an
-OpenAI-compatible chat endpoint at ``base_url``; replies without osvl's tags count as the
+OpenAI-compatible chat endpoint, the ``endpoint`` section; replies without osvl's tags count as the
 answer), or ``oracle`` (the path-oracle teacher; synthesized questions only, since it
 needs each question's KG path).
 """
@@ -23,6 +23,7 @@ needs each question's KG path).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import time
@@ -30,10 +31,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from osvl.agent.engines.openai import EndpointConfig
 from osvl.agent.evaluate import MODES
 from osvl.agent.loop import AgentConfig
 from osvl.config import RunConfig, from_dict, opt, to_dict
+from osvl.endpoint import EndpointConfig
 from osvl.errors import ConfigError, DataError
 
 JOB = "eval"
@@ -49,8 +50,8 @@ class EvalConfig:
     modes: list[str] = opt(["direct", "rag", "agentic"], "Modes to run: direct, rag, agentic.")
     model: str = opt("tiny-agent", "Checkpoint directory, 'tiny-agent', 'tiny', 'openai:NAME' or 'oracle'.")
     engine: str = opt("hf", "Token engine for a checkpoint: hf or vllm.")
-    base_url: str = opt("", "openai:NAME models: the OpenAI-compatible base URL (http://host:port/v1).")
-    api_key_env: str = opt("", "openai:NAME models: environment variable holding the API key.", hashed=False)
+    endpoint: EndpointConfig = opt(EndpointConfig, "openai:NAME models: the chat endpoint (endpoint.model is NAME: "
+                                   "leave it empty or set the same).")
     processor: str = opt("", "Tokenizer/processor for chat models (openai, oracle); empty = the tiny checkpoint's.")
     image_root: str = opt("", "Folder the BrowseComp-VL / SimpleVQA image paths resolve under.", hashed=False)
     max_items: int = opt(0, "Items per benchmark (the first ones); 0 = all.")
@@ -86,8 +87,11 @@ def check(cfg: EvalConfig) -> None:
     bad = sorted(set(cfg.modes) - set(MODES))
     if bad or not cfg.modes:
         raise ConfigError(f"modes must be a non-empty subset of {MODES}, got {cfg.modes}")
-    if cfg.model.startswith("openai:") and not cfg.base_url:
-        raise ConfigError("an openai:NAME model needs --base_url=http://host:port/v1")
+    if cfg.model.startswith("openai:"):
+        name = cfg.model.split(":", 1)[1]
+        if cfg.endpoint.model not in ("", name):
+            raise ConfigError(f"model {cfg.model!r} and endpoint.model {cfg.endpoint.model!r} name two models")
+        baseline_endpoint(cfg).check("endpoint")
     if cfg.judge not in ("rule", "llm"):
         raise ConfigError(f"judge must be rule or llm, got {cfg.judge!r}")
     if cfg.tools not in ("inprocess", "http"):
@@ -95,6 +99,11 @@ def check(cfg: EvalConfig) -> None:
     if cfg.inflight < 1 or cfg.num_actors < 1:
         raise ConfigError("inflight and num_actors must be >= 1")
     cfg.agent.check()
+
+
+def baseline_endpoint(cfg: EvalConfig) -> EndpointConfig:
+    """The ``endpoint`` section with an ``openai:NAME`` model's NAME as the model sent."""
+    return dataclasses.replace(cfg.endpoint, model=cfg.model.split(":", 1)[1])
 
 
 def resolve_model(name: str) -> str:
@@ -133,9 +142,7 @@ class EvalWorker:
                 from osvl.agent.engines.openai import OpenAIChatEngine
                 from osvl.agent.evaluate import LenientChat
 
-                ep = EndpointConfig(base_url=self.cfg.base_url, model=model.split(":", 1)[1],
-                                    api_key_env=self.cfg.api_key_env)
-                self.engine = LenientChat(OpenAIChatEngine(ep))
+                self.engine = LenientChat(OpenAIChatEngine(baseline_endpoint(self.cfg)))
             offer = self.cfg.offer
         else:
             from osvl.agent.engines import make_engine
@@ -256,7 +263,8 @@ def run(cfg: EvalConfig, log: Any = print) -> dict[str, Any]:
     if todo:
         init_ray(num_cpus=max(2, int(cfg.num_actors * cfg.cpus_per_actor) + 1))
         # API keys travel from the driver's environment to its actors, never through the config
-        keys = {k: os.environ[k] for k in (cfg.api_key_env, cfg.judge_endpoint.api_key_env) if k and k in os.environ}
+        keys = {k: os.environ[k] for k in (cfg.endpoint.api_key_env, cfg.judge_endpoint.api_key_env)
+                if k and k in os.environ}
         actor_cls = ray.remote(EvalWorker).options(num_cpus=cfg.cpus_per_actor, max_concurrency=4,
                                                    runtime_env={"env_vars": keys} if keys else None)
         # built here, not in the actors: the tiny checkpoints build with asyncio.run, which an async actor cannot

@@ -27,6 +27,7 @@ hash, into the run's image folder, which the learner reads.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,7 +35,10 @@ from typing import Any
 
 from osvl import storage
 from osvl.agent.fatal import MaskStart
+from osvl.agent.loop import AgentConfig
+from osvl.agent.reward import RewardConfig
 from osvl.config import opt
+from osvl.errors import ConfigError
 
 
 @dataclass
@@ -58,16 +62,23 @@ class RolloutConfig:
                            "schemas, e.g. the shorter descriptions a model was fine-tuned with); empty = the "
                            "registry's. Calls still run the registered tools.")
     tool_latency_s: float = opt(0.0, "Extra simulated latency added to every tool call (benchmarks), seconds.")
-    max_turns: int = opt(6, "Agent budget: assistant turns per episode.")
-    max_new_tokens: int = opt(96, "Agent budget: tokens per assistant turn.")
-    max_episode_tokens: int = opt(2048, "Agent budget: tokens per episode (prompt, tools and images included).")
-    k: int = opt(3, "K: consecutive failed steps that make an episode fatal.")
-    stop_on_fatal: bool = opt(True, "End the episode at the fatal step (released code) instead of continuing.")
-    temperature: float = opt(1.0, "Sampling temperature for RL (no top-p/top-k).")
-    alpha: float = opt(0.8, "Reward weight of r_acc against r_query.")
-    fmt_scope: str = opt("prefix", "r_fmt over the pre-fatal 'prefix' (paper) or the whole 'episode' (the fatal "
-                                   "cascade counted; osvl/agent/reward.py says why the demo uses it).")
+    agent: AgentConfig = opt(AgentConfig, "Budgets and fatal-step rules of every episode (the section the "
+                             "trajectories job's agent: is).")
+    reward: RewardConfig = opt(RewardConfig, "How every episode is scored (the section the trajectories job's "
+                               "reward: is); reward.prefix_end is set from rl.mask_at; the rule judge only.")
     weight_poll_s: float = opt(10.0, "Long-poll timeout of the weight store, seconds.", hashed=False)
+
+    def check(self) -> None:
+        self.agent.check()
+        self.reward.check()
+        # an LLM judge needs an endpoint and a failure policy per group, which the rollout actors do not have
+        if self.reward.judge != "rule" or self.reward.query_scorer != "rule":
+            raise ConfigError("rollout.reward.judge and rollout.reward.query_scorer must be 'rule' in GRPO, got "
+                              f"{self.reward.judge!r} and {self.reward.query_scorer!r}")
+
+    def episode_agent(self, greedy: bool = False) -> AgentConfig:
+        """The agent section as an episode runs it: temperature 0 for evaluation."""
+        return dataclasses.replace(self.agent, temperature=0.0 if greedy else self.agent.temperature)
 
 
 @dataclass
@@ -89,7 +100,6 @@ class RolloutWorker:
         import torch
 
         from osvl.agent.engines import make_engine
-        from osvl.agent.loop import AgentConfig
         from osvl.tools.registry import offered_tools
 
         torch.set_num_threads(max(1, int(cfg.cpus_per_actor)))
@@ -104,9 +114,7 @@ class RolloutWorker:
         self.tools = offered_tools(cfg.offer, cfg.schemas)
         self.rec = recorder
         self.client = self._client()
-        self.agent_cfg = AgentConfig(max_turns=cfg.max_turns, max_new_tokens=cfg.max_new_tokens,
-                                     max_episode_tokens=cfg.max_episode_tokens, k=cfg.k,
-                                     stop_on_fatal=cfg.stop_on_fatal, temperature=cfg.temperature)
+        self.agent_cfg = cfg.episode_agent()
         self.stats = ActorStats()
         self._version_event: asyncio.Event | None = None
         self.newest_seen = -1  # newest published version the weight poll has returned
@@ -181,7 +189,7 @@ class RolloutWorker:
 
     async def _episode(self, work: Any, i: int) -> Any:
         from osvl.agent.loop import run_episode
-        from osvl.agent.reward import RewardConfig, score_trajectory
+        from osvl.agent.reward import score_trajectory
         from osvl.agent.trajectory import question_images
 
         row = self.questions[work.question_index]
@@ -197,7 +205,7 @@ class RolloutWorker:
         if self.rec is not None:
             self._record_episode(traj)
         self._save_images(traj, store)
-        scoring = RewardConfig(alpha=self.cfg.alpha, prefix_end=self.mask_at, fmt_scope=self.cfg.fmt_scope)
+        scoring = dataclasses.replace(self.cfg.reward, prefix_end=self.mask_at)
         return await score_trajectory(traj, row, scoring)
 
     def _save_images(self, traj: Any, arrays: dict) -> None:
@@ -256,7 +264,6 @@ async def _eval_episodes(model_dir: str, questions: list[dict[str, Any]], image_
                          concurrency: int) -> list[float]:
     from osvl.agent.engines import make_engine
     from osvl.agent.evaluate import evaluate_item
-    from osvl.agent.loop import AgentConfig
     from osvl.agent.trajectory import question_images
     from osvl.tools.client import make_client
     from osvl.tools.registry import offered_tools
@@ -264,9 +271,7 @@ async def _eval_episodes(model_dir: str, questions: list[dict[str, Any]], image_
     engine = make_engine(cfg.engine, model_dir, max_batch=cfg.max_batch)
     client = make_client("inprocess")
     tools = offered_tools(cfg.offer, cfg.schemas)
-    agent = AgentConfig(max_turns=cfg.max_turns, max_new_tokens=cfg.max_new_tokens,
-                        max_episode_tokens=cfg.max_episode_tokens, k=cfg.k, stop_on_fatal=cfg.stop_on_fatal,
-                        temperature=0.0)
+    agent = cfg.episode_agent(greedy=True)
     sem = asyncio.Semaphore(concurrency)
 
     async def one(row: dict[str, Any]) -> float:

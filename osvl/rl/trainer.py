@@ -176,6 +176,7 @@ def train(parts: GRPOParts, model_dir: str | Path, questions: list[dict[str, Any
     from osvl.train.deepspeed import make_trainer
 
     check_transport(parts.learner.weights)
+    parts.rollout.check()
     tc, rc = parts.train, parts.rollout
     start_cluster(parts.rollout, parts.learner)
     ckpt_root = out / "checkpoints"
@@ -221,7 +222,7 @@ def train(parts: GRPOParts, model_dir: str | Path, questions: list[dict[str, Any
                    "ckpt_every": tc.ckpt_every, "keep": tc.keep, "zero_stage": parts.learner.zero_stage,
                    "threads": parts.learner.threads_per_worker,
                    "weights_every": tc.weights_every, "seed": parts.run.seed,
-                   "temperature": parts.rollout.temperature, "recorder": rec,
+                   "temperature": parts.rollout.agent.temperature, "recorder": rec,
                    "max_staleness": tc.max_staleness}
     t0 = time.perf_counter()
     try:

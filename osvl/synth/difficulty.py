@@ -9,21 +9,21 @@
    that result is dropped: one lookup gives it away, there is nothing multi-hop left.
 
 The pipeline runs it in its ``--filter.stage=osvl.synth.difficulty:DifficultyFilter``
-slot, a Ray Data callable class constructed without arguments, so its settings come from
-the environment variable ``OSVL_DIFFICULTY`` (a JSON object of ``DifficultyConfig``
-fields; Ray workers inherit the driver's environment). Without a ``model`` stage 1 is
-skipped and counted as such. Drops are counted per stage and reason, printed by each
-actor and, with ``report``, appended as one JSON line per batch to that file.
-``filter_table`` is the same filter as a plain function.
+slot, a Ray Data callable class constructed with the synthesize job's config, whose
+``filter.difficulty`` section (``DifficultyConfig``) holds its settings: they show in
+``jobs/synthesize.py --help`` and are part of the run's config hash, so two settings make
+two run folders. Without a stage-1 model stage 1 is skipped and counted as such. Drops are
+counted per stage and reason, printed by each actor and, with ``report``, appended as one
+JSON line per batch to that file.
+``filter_rows`` is the same filter as a plain function.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import os
 from collections import Counter
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -31,36 +31,41 @@ import numpy as np
 import pyarrow as pa
 
 from osvl.agent.judge import normalize_answer
+from osvl.config import opt
+from osvl.endpoint import EndpointConfig
 from osvl.errors import ConfigError
 
 STAGES = ("no_tools", "one_image_search")
-ENV = "OSVL_DIFFICULTY"
-
+ENGINES = ("hf", "vllm", "openai")
 
 
 @dataclass
 class DifficultyConfig:
-    stages: list[str] = field(default_factory=lambda: list(STAGES))  # which stages run, in this order
-    engine: str = "hf"  # hf | vllm | openai: the stage-1 model
-    model: str = ""  # checkpoint directory (hf, vllm) or model name (openai); empty = skip stage 1
-    base_url: str = ""  # openai: endpoint
-    api_key_env: str = ""
-    max_new_tokens: int = 64
-    kg_dir: str = ""  # KG folder whose images/ hold the undegraded anchor photos; empty = the committed sample
-    top_k: int = 5  # of the stage-2 image search
-    report: str = ""  # append per-batch drop counts (JSON lines) to this file
+    """Settings of ``DifficultyFilter`` (the synthesize job's ``filter.difficulty`` section)."""
 
-    @classmethod
-    def from_env(cls) -> DifficultyConfig:
-        raw = os.environ.get(ENV, "")
-        data = json.loads(raw) if raw.strip() else {}
-        known = {f.name for f in fields(cls)}
-        if set(data) - known:
-            raise ConfigError(f"{ENV}: unknown keys {sorted(set(data) - known)}; known: {sorted(known)}")
-        cfg = cls(**data)
-        if set(cfg.stages) - set(STAGES):
-            raise ConfigError(f"{ENV}: stages must be a subset of {STAGES}, got {cfg.stages}")
-        return cfg
+    stages: list[str] = opt(list(STAGES), f"Stages to run, in this order; a subset of {STAGES}.")
+    engine: str = opt("hf", "Stage 1's model: hf or vllm (a checkpoint in model) or openai (the endpoint below).")
+    model: str = opt("", "hf/vllm: stage 1's checkpoint directory; empty = stage 1 is skipped (and counted).")
+    endpoint: EndpointConfig = opt(EndpointConfig, "openai: stage 1's chat model; no endpoint.model = stage 1 "
+                                                   "is skipped (and counted).")
+    max_new_tokens: int = opt(64, "Stage 1: tokens of the model's one answer turn.")
+    top_k: int = opt(5, "Stage 2: results of the one image search on the undegraded photo.")
+    report: str = opt("", "Append per-batch drop counts (JSON lines) to this file; empty = printed only.",
+                      hashed=False)
+
+    def check(self) -> None:
+        if set(self.stages) - set(STAGES):
+            raise ConfigError(f"filter.difficulty.stages must be a subset of {STAGES}, got {self.stages}")
+        if self.engine not in ENGINES:
+            raise ConfigError(f"filter.difficulty.engine must be one of {ENGINES}, got {self.engine!r}")
+        if self.engine == "openai" and self.endpoint.model:
+            self.endpoint.check("filter.difficulty.endpoint")
+        if self.max_new_tokens < 1 or self.top_k < 1:
+            raise ConfigError("filter.difficulty.max_new_tokens and top_k must be >= 1")
+
+    def has_model(self) -> bool:
+        """Whether stage 1 has a model to ask (else it is skipped)."""
+        return bool(self.endpoint.model if self.engine == "openai" else self.model)
 
 
 def answer_in(text: str, answer: str, aliases: list[str]) -> bool:
@@ -75,13 +80,12 @@ class NoToolsModel:
     def __init__(self, cfg: DifficultyConfig) -> None:
         self.cfg = cfg
         if cfg.engine == "openai":
-            from osvl.agent.engines.openai import EndpointConfig, OpenAIChatEngine
+            from osvl.agent.engines.openai import OpenAIChatEngine
             from osvl.agent.evaluate import LenientChat
             from osvl.models.load import load_processor
             from osvl.models.tiny import tiny_checkpoint
 
-            self.engine = LenientChat(OpenAIChatEngine(EndpointConfig(base_url=cfg.base_url, model=cfg.model,
-                                                                      api_key_env=cfg.api_key_env), cut=False))
+            self.engine = LenientChat(OpenAIChatEngine(cfg.endpoint, cut=False))
             self.processor = load_processor(tiny_checkpoint("qwen3_vl"))  # renders the record only
         else:
             from osvl.agent.engines import make_engine
@@ -108,15 +112,18 @@ def _load_rgb(path: Path) -> np.ndarray:
         return np.asarray(img.convert("RGB"))
 
 
-def filter_rows(rows: list[dict[str, Any]], cfg: DifficultyConfig, model: NoToolsModel | None = None,
+def filter_rows(rows: list[dict[str, Any]], cfg: DifficultyConfig, kg_dir: str = "", model: NoToolsModel | None = None,
                 counts: Counter[str] | None = None) -> list[dict[str, Any]]:
-    """The rows that survive every configured stage; ``counts`` gets ``<stage>:<reason>`` tallies."""
+    """The rows that survive every configured stage; ``counts`` gets ``<stage>:<reason>`` tallies.
+
+    ``kg_dir``: the KG folder whose images/ hold the undegraded anchor photos; empty = the committed sample.
+    """
     from osvl.kg.schema import SAMPLE_DIR
     from osvl.tools.base import ToolContext, call_tool
     from osvl.tools.registry import all_tools
 
     counts = counts if counts is not None else Counter()
-    kg_images = Path(cfg.kg_dir or SAMPLE_DIR) / "images"
+    kg_images = Path(kg_dir or SAMPLE_DIR) / "images"
     search = all_tools()["image_search"]
     originals: dict[str, np.ndarray] = {}
     searched: dict[str, str] = {}  # anchor photo -> its search result text: many questions share a photo
@@ -161,16 +168,22 @@ def filter_rows(rows: list[dict[str, Any]], cfg: DifficultyConfig, model: NoTool
 
 
 class DifficultyFilter:
-    """The pipeline's filter-slot stage (``module:Class``): a pyarrow batch in, its surviving rows out."""
+    """The pipeline's filter-slot stage (``module:Class``): a pyarrow batch in, its surviving rows out.
 
-    def __init__(self) -> None:
-        self.cfg = DifficultyConfig.from_env()
-        self.model = NoToolsModel(self.cfg) if self.cfg.model and "no_tools" in self.cfg.stages else None
+    ``synth_cfg`` is the synthesize job's ``SynthConfig`` (the slot hands it to every stage class):
+    the settings are its ``filter.difficulty``, the anchor photos those of its ``kg_dir``.
+    """
+
+    def __init__(self, synth_cfg: Any) -> None:
+        self.cfg: DifficultyConfig = synth_cfg.filter.difficulty
+        self.cfg.check()
+        self.kg_dir = synth_cfg.kg_dir
+        self.model = NoToolsModel(self.cfg) if self.cfg.has_model() and "no_tools" in self.cfg.stages else None
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         counts: Counter[str] = Counter()
         rows = batch.to_pylist()
-        kept = filter_rows(rows, self.cfg, self.model, counts)
+        kept = filter_rows(rows, self.cfg, self.kg_dir, self.model, counts)
         print(f"difficulty filter: {len(rows)} in, {len(kept)} kept; drops {dict(counts)}", flush=True)
         if self.cfg.report:
             with open(self.cfg.report, "a") as f:

@@ -48,11 +48,11 @@ from typing import Any
 import numpy as np
 
 from osvl import storage
-from osvl.agent.engines.openai import EndpointConfig
 from osvl.agent.loop import AgentConfig
 from osvl.agent.reward import RewardConfig
 from osvl.agent.teacher import OracleConfig
 from osvl.config import RunConfig, from_dict, opt, run_dir, to_dict
+from osvl.endpoint import EndpointConfig
 from osvl.errors import ConfigError, DataError, EndpointUnavailable
 
 JOB = "trajectories"

@@ -47,10 +47,12 @@ import pyarrow.parquet as pq
 
 from osvl import storage
 from osvl.config import RunConfig, config_hash, from_dict, opt, run_dir, to_dict
+from osvl.endpoint import EndpointConfig
 from osvl.errors import ConfigError
 from osvl.synth.degrade import UNDO_TOOL, degrade
+from osvl.synth.difficulty import DifficultyConfig
 from osvl.synth.invariants import fold, violations
-from osvl.synth.rewrite import LLMConfig, llm_rewrite, template_rewrite
+from osvl.synth.rewrite import llm_rewrite, template_rewrite
 from osvl.synth.walks import SPLITS, Graph, WalkConfig, assign_splits, random_walk
 
 JOB = "synthesize"
@@ -69,12 +71,8 @@ class WalkOptions:
 @dataclass
 class RewriterOptions:
     kind: str = opt("template", "template (default, deterministic) or llm (an OpenAI-compatible endpoint).")
-    base_url: str = opt("", "llm: endpoint base URL, e.g. http://127.0.0.1:8000/v1.")
-    model: str = opt("", "llm: model name sent in the request.")
-    api_key_env: str = opt("", "llm: name of the environment variable holding the API key (never the key).",
-                           hashed=False)
-    timeout_s: float = opt(30.0, "llm: per-request timeout.", hashed=False)
-    max_concurrency: int = opt(8, "llm: requests in flight per worker.", hashed=False)
+    endpoint: EndpointConfig = opt(EndpointConfig(timeout_s=30.0, max_concurrency=8),
+                                   "llm: the chat endpoint (max_concurrency is per synthesis worker).")
     temperature: float = opt(0.7, "llm: sampling temperature.")
 
 
@@ -86,10 +84,12 @@ class DegradeOptions:
 
 @dataclass
 class FilterOptions:
-    stage: str = opt("", "Difficulty filter stage as module:Class (a Ray Data map_batches callable class "
-                     "taking and returning a pyarrow.Table); empty = no filter.")
+    stage: str = opt("", "Difficulty filter stage as module:Class: a Ray Data map_batches callable class, "
+                     "constructed with this job's config, taking and returning a pyarrow.Table; empty = no "
+                     "filter. osvl.synth.difficulty:DifficultyFilter is osvl's (settings: filter.difficulty).")
     concurrency: int = opt(1, "Actors of the filter stage.", hashed=False)
     num_gpus: float = opt(0.0, "GPUs per filter actor.", hashed=False)
+    difficulty: DifficultyConfig = opt(DifficultyConfig, "Settings of osvl.synth.difficulty:DifficultyFilter.")
 
 
 @dataclass
@@ -115,7 +115,7 @@ class SynthConfig:
     walk: WalkOptions = opt(WalkOptions, "Random walks.")
     rewriter: RewriterOptions = opt(RewriterOptions, "Question rewriting.")
     degrade: DegradeOptions = opt(DegradeOptions, "Image degradation.")
-    filter: FilterOptions = opt(FilterOptions, "Difficulty filter stage slot (filled by the agent issue).")
+    filter: FilterOptions = opt(FilterOptions, "Difficulty filter stage slot and osvl's filter's settings.")
 
 
 def validate(cfg: SynthConfig) -> None:
@@ -135,8 +135,9 @@ def validate(cfg: SynthConfig) -> None:
         raise ConfigError(f"degrade.kinds must be a non-empty subset of {sorted(UNDO_TOOL)}, got {cfg.degrade.kinds}")
     if cfg.rewriter.kind not in ("template", "llm"):
         raise ConfigError(f"rewriter.kind must be template or llm, got {cfg.rewriter.kind!r}")
-    if cfg.rewriter.kind == "llm" and not (cfg.rewriter.base_url and cfg.rewriter.model):
-        raise ConfigError("rewriter.kind=llm needs rewriter.base_url and rewriter.model")
+    if cfg.rewriter.kind == "llm":
+        cfg.rewriter.endpoint.check("rewriter.endpoint")
+    cfg.filter.difficulty.check()
     if cfg.num_shards < 1 or cfg.workers < 1 or cfg.questions_per_seed < 1 or cfg.patience < 1:
         raise ConfigError("num_shards, workers, questions_per_seed and patience must be >= 1")
 
@@ -311,14 +312,13 @@ def synthesize_shard(graph: Graph, cfg: SynthConfig, shard: int, seeds: list[int
             counts["seeds"][f"{split_of[seed]}/empty/{reason}"] += 1
     if cfg.rewriter.kind == "llm" and rows:
         r = cfg.rewriter
-        llm = LLMConfig(r.base_url, r.model, r.api_key_env, r.timeout_s, r.max_concurrency, r.temperature)
         drafts = [_draft_of(row) for row in rows]
-        texts = llm_rewrite(llm, graph, drafts, counts["rewriter"])
+        texts = llm_rewrite(r.endpoint, graph, drafts, counts["rewriter"], r.temperature)
         for row, text in zip(rows, texts, strict=True):
             candidate = {**row, "question": text}
             if text != row["question"] and not violations(graph, candidate):
                 row["question"] = text
-                row["provenance"]["rewriter"] = f"llm:{r.model}"
+                row["provenance"]["rewriter"] = f"llm:{r.endpoint.model}"
     return rows, counts
 
 
@@ -395,6 +395,7 @@ def _apply_filter_stage(cfg: SynthConfig, table: pa.Table) -> pa.Table:
     except (ImportError, AttributeError, ValueError) as e:
         raise ConfigError(f"filter.stage {cfg.filter.stage!r} cannot be imported: {e}") from None
     ds = ray.data.from_arrow(table).map_batches(stage_cls, batch_format="pyarrow", num_gpus=cfg.filter.num_gpus or None,
+                                                fn_constructor_args=(cfg,),
                                                 compute=ray.data.ActorPoolStrategy(size=cfg.filter.concurrency))
     parts = [pa.Table.from_batches([b]) if isinstance(b, pa.RecordBatch) else b
              for b in ds.iter_batches(batch_format="pyarrow", batch_size=None)]

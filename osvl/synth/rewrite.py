@@ -22,13 +22,13 @@ fallback is counted.
 from __future__ import annotations
 
 import asyncio
-import os
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from osvl.endpoint import ChatClient, EndpointConfig
 from osvl.errors import ConfigError
 from osvl.synth.invariants import descriptor_holds, fold, guarded_forms, leaked, step_candidates
 from osvl.synth.phrasing import (
@@ -166,16 +166,6 @@ def template_rewrite(graph: Graph, walk: Walk, rng: np.random.Generator, drops: 
     return Draft(text, path, walk.answer_key, walk.answer, aliases)
 
 
-@dataclass
-class LLMConfig:
-    base_url: str
-    model: str
-    api_key_env: str = ""
-    timeout_s: float = 30.0
-    max_concurrency: int = 8
-    temperature: float = 0.7
-
-
 PROMPT = ("Rewrite the question below so it reads naturally, as a curious person would ask it. Keep every "
           "descriptive phrase and its meaning; do not add any name, hint or answer. Reply with the question only."
           "\n\nQuestion: {question}")
@@ -198,36 +188,20 @@ def _kept_descriptors(text: str, draft: Draft) -> bool:
     return True
 
 
-async def _complete(session: Any, cfg: LLMConfig, question: str, sem: asyncio.Semaphore) -> str:
-    import aiohttp
-
-    headers = {"Content-Type": "application/json"}
-    if cfg.api_key_env:
-        key = os.environ.get(cfg.api_key_env)
-        if not key:
-            raise ConfigError(f"rewriter.api_key_env names {cfg.api_key_env!r}, which is not set")
-        headers["Authorization"] = f"Bearer {key}"
-    body = {"model": cfg.model, "temperature": cfg.temperature,
-            "messages": [{"role": "user", "content": PROMPT.format(question=question)}]}
-    async with sem, session.post(cfg.base_url.rstrip("/") + "/chat/completions", json=body, headers=headers,
-                                 timeout=aiohttp.ClientTimeout(total=cfg.timeout_s)) as resp:
-        if resp.status != 200:
-            raise RuntimeError(f"HTTP {resp.status}")
-        data = await resp.json(content_type=None)
-    return str(data["choices"][0]["message"]["content"]).strip()
+async def _llm_all(cfg: EndpointConfig, questions: list[str], temperature: float) -> list[str | BaseException]:
+    client = ChatClient(cfg, "rewriter.endpoint")
+    try:
+        return await asyncio.gather(*(client.complete([{"role": "user", "content": PROMPT.format(question=q)}],
+                                                      temperature) for q in questions), return_exceptions=True)
+    finally:
+        await client.close()
 
 
-async def _llm_all(cfg: LLMConfig, questions: list[str]) -> list[str | BaseException]:
-    import aiohttp
-
-    sem = asyncio.Semaphore(cfg.max_concurrency)
-    async with aiohttp.ClientSession() as session:
-        return await asyncio.gather(*(_complete(session, cfg, q, sem) for q in questions), return_exceptions=True)
-
-
-def llm_rewrite(cfg: LLMConfig, graph: Graph, drafts: list[Draft], counts: Counter[str]) -> list[str]:
-    """Paraphrase each draft's question concurrently; a rewrite that fails a check keeps the template."""
-    replies = asyncio.run(_llm_all(cfg, [d.question for d in drafts]))
+def llm_rewrite(cfg: EndpointConfig, graph: Graph, drafts: list[Draft], counts: Counter[str],
+                temperature: float = 0.7) -> list[str]:
+    """Paraphrase each draft's question concurrently; a rewrite that fails a check, or whose request still
+    fails after the client's retries, keeps the template."""
+    replies = asyncio.run(_llm_all(cfg, [d.question for d in drafts], temperature))
     out = []
     for draft, reply in zip(drafts, replies, strict=True):
         if isinstance(reply, ConfigError):

@@ -37,7 +37,8 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from osvl.config import opt
-from osvl.errors import ConfigError, FetchRefused, ToolCallError
+from osvl.endpoint import ChatClient, EndpointConfig
+from osvl.errors import ConfigError, EndpointUnavailable, FetchRefused, ToolCallError
 
 REDIRECTS = (301, 302, 303, 307, 308)
 
@@ -46,14 +47,15 @@ REDIRECTS = (301, 302, 303, 307, 308)
 class WebConfig:
     search_url: str = opt("https://google.serper.dev/search", "Serper-style search endpoint (POST JSON {q, num}).")
     search_key_env: str = opt("SERPER_API_KEY", "Environment variable holding the search API key (X-API-KEY).")
-    llm_url: str = opt("https://api.openai.com/v1", "OpenAI-compatible base URL for page summaries; empty = "
-                       "no summary, show the page's first words.")
-    llm_key_env: str = opt("OPENAI_API_KEY", "Environment variable holding the summary LLM's API key.")
-    llm_model: str = opt("gpt-4o-mini", "Model name sent to the summary endpoint.")
+    summary: EndpointConfig = opt(
+        EndpointConfig(base_url="https://api.openai.com/v1", model="gpt-4o-mini", api_key_env="OPENAI_API_KEY",
+                       timeout_s=10.0, retries=1),
+        "The OpenAI-compatible chat model that summarises each fetched page; empty base_url = no summary, the "
+        "page's first words instead.")
     fetch_pages: int = opt(3, "Result pages fetched and summarised per query.")
     page_chars: int = opt(6000, "Characters of page text sent to the summariser.")
     summary_tokens: int = opt(200, "max_tokens of one summary.")
-    timeout_s: float = opt(10.0, "Deadline of one page fetch (all redirects) and of each API call.")
+    timeout_s: float = opt(10.0, "Deadline of one page fetch (all redirects) and of the search API call.")
     max_bytes: int = opt(2_000_000, "Largest page body read; bigger pages are refused.")
     max_redirects: int = opt(5, "Redirect hops followed per fetch, each re-checked by the guard.")
     allow: list[str] = opt([], "SSRF guard exceptions: IP, IP:port or CIDR that may be fetched although "
@@ -266,7 +268,8 @@ class WebSearch:
 
     def __init__(self, cfg: WebConfig | None = None) -> None:
         self.cfg = cfg or WebConfig()
-        self.backend_id = f"web:{self.cfg.search_url}|{self.cfg.llm_model if self.cfg.llm_url else 'nosummary'}"
+        summary = self.cfg.summary
+        self.backend_id = f"web:{self.cfg.search_url}|{summary.model if summary.base_url else 'nosummary'}"
 
     def search(self, query: str, top_k: int = 5) -> list:
         return _run(self.asearch(query, top_k))
@@ -278,12 +281,17 @@ class WebSearch:
 
         cfg = self.cfg
         timeout = aiohttp.ClientTimeout(total=cfg.timeout_s)
-        async with aiohttp.ClientSession(trust_env=False, timeout=timeout) as api:
-            results = await self._search_api(api, query, top_k)
-            guard = Guard(cfg.allow)
-            async with guarded_session(guard, cfg) as pages:
-                todo = results[:cfg.fetch_pages]
-                summaries = await asyncio.gather(*(self._page_summary(api, pages, guard, query, r) for r in todo))
+        llm = ChatClient(cfg.summary, "web.summary") if cfg.summary.base_url else None
+        try:
+            async with aiohttp.ClientSession(trust_env=False, timeout=timeout) as api:
+                results = await self._search_api(api, query, top_k)
+                guard = Guard(cfg.allow)
+                async with guarded_session(guard, cfg) as pages:
+                    todo = results[:cfg.fetch_pages]
+                    summaries = await asyncio.gather(*(self._page_summary(llm, pages, guard, query, r) for r in todo))
+        finally:
+            if llm is not None:
+                await llm.close()
         hits = []
         for i, r in enumerate(results):
             summary = summaries[i] if i < len(summaries) else ""
@@ -301,7 +309,8 @@ class WebSearch:
             raise ToolCallError("tool_error", "search API answer has no 'organic' result list")
         return [r for r in organic if isinstance(r, dict) and r.get("link")][:top_k]
 
-    async def _page_summary(self, api: Any, pages: Any, guard: Guard, query: str, result: dict[str, Any]) -> str:
+    async def _page_summary(self, llm: ChatClient | None, pages: Any, guard: Guard, query: str,
+                            result: dict[str, Any]) -> str:
         """The summary line of one result; a page that fails says why instead of failing the search."""
         url = result["link"]
         try:
@@ -314,31 +323,22 @@ class WebSearch:
         text = text[:self.cfg.page_chars]
         if not text:
             return "(page has no text)"
-        if not self.cfg.llm_url:
+        if llm is None:
             return " ".join(text.split())[:300]
-        return await self._summarise(api, query, title or result.get("title", ""), text)
+        return await self._summarise(llm, query, title or result.get("title", ""), text)
 
-    async def _summarise(self, api: Any, query: str, title: str, text: str) -> str:
-        headers = {}
-        key = os.environ.get(self.cfg.llm_key_env, "")
-        if key:
-            headers["Authorization"] = f"Bearer {key}"
-        body = {
-            "model": self.cfg.llm_model,
-            "temperature": 0,
-            "max_tokens": self.cfg.summary_tokens,
-            "messages": [
-                {"role": "system", "content": "Summarise the web page in at most three sentences, keeping only "
-                                              "facts relevant to the search query. Say so if it has none."},
-                {"role": "user", "content": f"Search query: {query}\n\nPage title: {title}\n\nPage text:\n{text}"},
-            ],
-        }
-        data = await self._post(api, self.cfg.llm_url.rstrip("/") + "/chat/completions", body, headers)
+    async def _summarise(self, llm: ChatClient, query: str, title: str, text: str) -> str:
+        """One page's summary; a summariser that refuses (key, HTTP 4xx) or stays away fails the search."""
+        messages = [
+            {"role": "system", "content": "Summarise the web page in at most three sentences, keeping only "
+                                          "facts relevant to the search query. Say so if it has none."},
+            {"role": "user", "content": f"Search query: {query}\n\nPage title: {title}\n\nPage text:\n{text}"},
+        ]
         try:
-            return " ".join(str(data["choices"][0]["message"]["content"]).split())
-        except (KeyError, IndexError, TypeError):
-            raise ToolCallError("tool_error", "summary endpoint answered without choices[0].message.content") \
-                from None
+            reply = await llm.complete(messages, 0.0, self.cfg.summary_tokens)
+        except (ConfigError, EndpointUnavailable) as e:
+            raise ToolCallError("unavailable", f"summary endpoint: {e}") from None
+        return " ".join(reply.split())
 
     async def _post(self, api: Any, url: str, payload: dict[str, Any], headers: dict[str, str]) -> Any:
         import aiohttp
