@@ -135,14 +135,30 @@ class Monitor(threading.Thread):
         self.tail()
 
     def tail(self) -> None:
+        for line in self._new_bytes().decode().splitlines(keepends=True):
+            if line.endswith("\n"):
+                self._offset += len(line.encode())
+                self.print_row(json.loads(line))
+
+    def _new_bytes(self) -> bytes:
+        """What the learner appended to the step log since ``_offset``. With a remote run root it is read from
+        storage: learner rank 0 may run on another node, whose mirror publishes there after every row (and
+        this mirror is not written, so a learner on this node keeps its file)."""
+        from osvl import storage
+
+        uri = storage.location(self.log_path)
+        if storage.is_remote(uri):
+            fs, path = storage.open_root(uri)
+            info = fs.get_file_info(path)
+            if info.type.name != "File" or info.size <= self._offset:
+                return b""
+            with fs.open_input_file(path) as f:
+                return f.read_at(info.size - self._offset, self._offset)
         if not self.log_path.exists():
-            return
-        with self.log_path.open() as f:
+            return b""
+        with self.log_path.open("rb") as f:
             f.seek(self._offset)
-            for line in f:
-                if line.endswith("\n"):
-                    self._offset += len(line.encode())
-                    self.print_row(json.loads(line))
+            return f.read()
 
 
 def start_cluster(rc: RolloutConfig, lc: LearnerConfig) -> None:

@@ -428,7 +428,7 @@ def run(cfg: SftConfig, *, log: Any = print) -> dict[str, Any]:
     log_file = out / "train_log.jsonl"
     trainer = make_trainer(
         train_loop, {"cfg": cfg, "train_ds": load_split(files, cfg.data.val_fraction, False),
-                     "val_ds": load_split(files, cfg.data.val_fraction, True),
+                     "val_ds": load_split(files, cfg.data.val_fraction, True) if n_val else None,
                      "image_dir": storage_location(image_dir),
                      "model_dir": model_dir, "total_steps": steps, "train_rows": n_train, "val_rows": n_val,
                      "log_file": str(log_file)},
