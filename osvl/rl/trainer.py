@@ -199,6 +199,12 @@ def train(parts: GRPOParts, model_dir: str | Path, questions: list[dict[str, Any
     image_dir = out / "images"
     log_path = out / "steps.jsonl"
     resume = ckpt.latest(ckpt_root)
+    if resume is not None and int(resume.name.removeprefix(ckpt.PREFIX)) >= tc.steps \
+            and (out / "summary.json").is_file():  # a finished run, resubmitted: start no actor and no learner
+        log(f"resuming from {resume.name}: all {tc.steps} steps trained, nothing to run")
+        rows = [json.loads(line) for line in log_path.read_text().splitlines()] if log_path.exists() else []
+        return {**json.loads((out / "summary.json").read_text()), "rows": rows, "resumed_from": resume.name,
+                "checkpoint": str(resume)}
     named = (lambda n: {"name": actor_prefix + n}) if actor_prefix else (lambda n: {})  # noqa: E731
     # the buffer and the weight store live on the driver's node (the head in production): losing a
     # worker node must not take the run's ledger with it, and losing the driver ends the run anyway
@@ -426,9 +432,15 @@ def run(cfg: GRPOConfig, log: Callable[[str], None] = print) -> dict[str, Any]:
     res = train(parts, model, questions, qdir / "images", out, log=log, print_row=lambda r: log(format_row(r)))
     summary = summarize(res["rows"])
     after = None
+    grpo_eval = out / "pass1_grpo.json"  # of one checkpoint: a resubmitted finished run does not score it again
     if heldout and res["checkpoint"]:
-        after = pass_at_1(Path(res["checkpoint"]) / "hf", heldout, qdir / "images", cfg.rollout,
-                          cfg.eval.concurrency)
+        name = Path(res["checkpoint"]).name
+        if grpo_eval.is_file() and json.loads(grpo_eval.read_text())["checkpoint"] == name:
+            after = json.loads(grpo_eval.read_text())["pass1"]
+        else:
+            after = pass_at_1(Path(res["checkpoint"]) / "hf", heldout, qdir / "images", cfg.rollout,
+                              cfg.eval.concurrency)
+            grpo_eval.write_text(json.dumps({"checkpoint": name, "pass1": after}))
     st = res["buffer"]
     summary.update(pass1_sft=before, pass1_grpo=after, seconds=time.perf_counter() - t0, train_s=res["seconds"],
                    issued=st["issued_total"], consumed=st["consumed"], dropped=st["dropped"],
