@@ -24,7 +24,9 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-STEPS = 3  # node b is killed after step 1: two more steps show the job going on without it
+# node b is killed once step 1 is logged: two more steps show the job going on without it (synchronous,
+# max_staleness 0, so that step 2 waits for fresh rollouts instead of groups generated before the kill)
+STEPS = 3
 JOBS = ("synthesize", "trajectories", "sft", "grpo")
 
 
@@ -36,9 +38,10 @@ def grpo_args(root: str) -> list[str]:
             "--trajectories.role_units=1", "--trajectories.n_teacher_rollouts=1", "--sft.max_steps=2",
             "--sft.max_len=1024", "--sft.num_workers=1", "--sft.data.n_eval=0",
             "--rl.group_size=2", "--rl.max_len=2048", f"--train.steps={STEPS}", "--train.groups_per_step=2",
-            "--train.ckpt_every=1", "--rollout.num_actors=2", "--rollout.num_gpus=0.5", "--rollout.role_units=1",
-            "--rollout.max_turns=2", "--rollout.max_new_tokens=32", "--rollout.max_episode_tokens=2048",
-            "--learner.role_units=1", "--eval.n_heldout=1", "--eval.concurrency=1"]
+            "--train.ckpt_every=1", "--train.max_staleness=0", "--rollout.num_actors=2", "--rollout.num_gpus=0.5",
+            "--rollout.role_units=1", "--rollout.max_turns=2", "--rollout.max_new_tokens=32",
+            "--rollout.max_episode_tokens=2048", "--learner.role_units=1", "--eval.n_heldout=1",
+            "--eval.concurrency=1"]
 
 
 def _submit(cluster: dict, root: str) -> tuple[subprocess.Popen, list[str]]:
@@ -127,12 +130,13 @@ def test_grpo_job_on_a_multinode_cluster_with_s3_storage(multinode_cluster, s3_s
     # kill rollout node "b" (its own processes only) once GRPO has trained a step
     killed_at = None
     deadline = time.time() + 1500
+    fs, path = _bucket(root)
     while job.poll() is None and time.time() < deadline:
-        if killed_at is None and "grpo/e2e/steps.jsonl" in _files(root):
-            if _read(root, "grpo/e2e/steps.jsonl").strip():
-                stop_node(str(cluster["temp_dirs"]["b"]))
-                killed_at = time.time() - t0
-        time.sleep(2)
+        # one request for the step log (learner rank 0 publishes it after every step), not a listing
+        if killed_at is None and (fs.get_file_info(f"{path}/grpo/e2e/steps.jsonl").size or 0) > 0:
+            stop_node(str(cluster["temp_dirs"]["b"]))
+            killed_at = time.time() - t0
+        time.sleep(0.5)
     if job.poll() is None:
         job.kill()
     job.wait(timeout=60)
@@ -219,6 +223,7 @@ def test_tool_replicas_run_where_the_tools_resource_is(multinode_cluster):
     declares ``tools``, none on the head, and a call through the HTTP proxy is answered."""
     import base64
     import io
+    import re
     import urllib.request
 
     import numpy as np
@@ -234,7 +239,7 @@ def test_tool_replicas_run_where_the_tools_resource_is(multinode_cluster):
            "--", "python", "-m", "serve.app", "--tools=crop", "--role_units=0.1", f"--port={port}"]
     submitted = subprocess.run(cmd, cwd=REPO, env=cluster["env"], capture_output=True, text=True, timeout=120)
     assert submitted.returncode == 0, submitted.stdout[-3000:] + submitted.stderr[-3000:]
-    job_id = next(w.strip("'") for w in submitted.stdout.split() if w.strip("'").startswith("raysubmit_"))
+    job_id = re.search(r"raysubmit_[A-Za-z0-9]+", submitted.stdout + submitted.stderr).group(0)
     png = io.BytesIO()
     Image.fromarray(np.zeros((16, 16, 3), np.uint8)).save(png, format="PNG")
     body = json.dumps({"arguments": {"image": "img_1", "x": 2, "y": 3, "width": 5, "height": 4},
