@@ -129,7 +129,7 @@ def test_grpo_job_on_a_multinode_cluster_with_s3_storage(multinode_cluster, s3_s
     job, lines = _submit(cluster, root)
     # kill rollout node "b" (its own processes only) once GRPO has trained a step
     killed_at = None
-    deadline = time.time() + 1500
+    deadline = time.time() + 900
     fs, path = _bucket(root)
     while job.poll() is None and time.time() < deadline:
         # one request for the step log (learner rank 0 publishes it after every step), not a listing
