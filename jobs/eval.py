@@ -5,8 +5,9 @@
     python jobs/eval.py --benchmarks=runs/synthesize/HASH/heldout.parquet --model=oracle --modes=agentic
 
 Rerunning the same command resumes: items already in <run_dir>/items.jsonl are not redone.
-Output in <run.root>/eval/<config hash>/: items.jsonl (one record per item and mode, with the
-trajectory), tables/<benchmark>__<mode>.md|json, summary.md|json, pass_at_1.png.
+Output in <run.root>/eval/<config hash>/ (a local folder, or a URI such as s3://BUCKET/runs: see
+osvl/storage.py): items.jsonl (one record per item and mode, with the trajectory),
+tables/<benchmark>__<mode>.md|json, summary.md|json, pass_at_1.png.
 """
 
 from __future__ import annotations

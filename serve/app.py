@@ -96,6 +96,11 @@ class ServeConfig:
                                   "(edsr_weights: an EDSR checkpoint path; ocr_backend: rapidocr or tesseract; ...).")
     token_env: str = opt("OSVL_TOOLS_TOKEN", "Environment variable holding the bearer token; "
                          "when it is set where the app is built, every /v1 call must carry it.")
+    role_units: float = opt(0.0, "Units of the cluster's tools resource (osvl.cluster.ROLE_RESOURCES) each "
+                            "replica of the app requests, added to its ray_actor_options, so that replicas run "
+                            "only on nodes that declare it; 0 = none: a laptop's local cluster declares no role "
+                            "resources. A Serve config file's ray_actor_options replace the code's: name the "
+                            "resource there too.")
 
 
 class _ToolReplica:
@@ -638,8 +643,9 @@ def make_app(tools: dict[str, Tool], cfg: ServeConfig,
     for name in names:
         cls = BatchedToolDeployment if name in cfg.batched else ToolDeployment
         dep = DEPLOYMENT_PREFIX + name
-        handles[name] = cls.options(name=dep, **overrides.pop(dep, {})).bind(tools[name], cfg_dict)
-    api_options = overrides.pop("api", {})
+        handles[name] = cls.options(name=dep, **_placed(cls, overrides.pop(dep, {}), cfg)).bind(tools[name],
+                                                                                                  cfg_dict)
+    api_options = _placed(ToolAPI, overrides.pop("api", {}), cfg)
     if overrides:
         from osvl.errors import ConfigError
 
@@ -648,6 +654,18 @@ def make_app(tools: dict[str, Tool], cfg: ServeConfig,
     digest = hashlib.sha256(token.encode()).hexdigest() if token else ""
     return ToolAPI.options(name="api", **api_options).bind(handles, [tools[n].schema for n in names], cfg_dict,
                                                            digest)
+
+
+def _placed(cls: Any, options: dict[str, Any], cfg: ServeConfig) -> dict[str, Any]:
+    """``options`` with ``cfg.role_units`` of the tools resource added to the replica's ray_actor_options
+    (the deployment's own, or the ones ``options`` gives, which replace them in Serve)."""
+    if cfg.role_units <= 0:
+        return options
+    from osvl.cluster import role_resources
+
+    actor = dict(options.get("ray_actor_options") or cls.ray_actor_options or {})
+    actor["resources"] = {**actor.get("resources", {}), **role_resources("tools", cfg.role_units)}
+    return {**options, "ray_actor_options": actor}
 
 
 def main(argv: list[str] | None = None) -> None:

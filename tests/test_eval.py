@@ -282,3 +282,35 @@ def test_released_tool_names_are_offered_and_parsed_not_counted_unknown():
     assert QUESTION_PREFIX["opensearch-vl"].startswith("image_id: 1")
     with pytest.raises(Exception, match="unknown tool alias set"):
         aliased(tools, "nope")
+
+
+@pytest.mark.slow
+def test_an_eval_run_root_in_a_bucket_holds_the_report_and_resumes_from_it(tmp_path, s3_store):
+    """``--run.root=s3://...``: items, tables and summary go to the bucket (nothing under the cwd), and a
+    rerun on a node whose local mirror was deleted finds every item scored."""
+    from osvl import storage
+
+    bench = generic_file(tmp_path)
+    root = f"s3://{s3_store['bucket']}/eval-{tmp_path.name}"
+    cache = tmp_path / "mirror"
+    cmd = [sys.executable, str(REPO / "jobs" / "eval.py"), f"--run.root={root}", f"--benchmarks={bench}",
+           "--modes=direct", "--model=tiny", "--run.name=s3", *QUICK]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OSVL_STORAGE_CACHE": str(cache)}
+    (tmp_path / "cwd").mkdir()
+    first = subprocess.run(cmd, env=env, cwd=tmp_path / "cwd", capture_output=True, text=True, timeout=300)
+    assert first.returncode == 0, first.stderr[-3000:]
+    fs, path = storage.open_root(root)
+    import pyarrow.fs as pafs
+
+    stored = {i.path[len(path) + 1:] for i in fs.get_file_info(pafs.FileSelector(path, recursive=True))
+              if i.type.name == "File"}
+    assert {"eval/s3/items.jsonl", "eval/s3/summary.json", "eval/s3/tables/generic__direct.md",
+            "eval/s3/config.yaml"} <= stored, stored
+    with fs.open_input_stream(f"{path}/eval/s3/items.jsonl") as f:
+        assert sorted(json.loads(x)["id"] for x in f.read().decode().splitlines()) == ["generic-2", "tower"]
+    assert not list((tmp_path / "cwd").iterdir())  # no "s3:" folder, no runs/ beside the job
+
+    shutil.rmtree(cache)  # the node-local mirror is only a cache
+    again = subprocess.run(cmd, env=env, cwd=tmp_path / "cwd", capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "2 items already scored" in again.stdout and "0 to go" in again.stdout

@@ -125,11 +125,14 @@ class EvalWorker:
     def __init__(self, cfg: dict[str, Any], cache_root: str, model_path: str) -> None:
         import torch
 
+        from osvl import storage
         from osvl.agent.evaluate import QUESTION_PREFIX, aliased, trained_tools
         from osvl.tools import text_search
         from osvl.tools.registry import offered_tools
 
         self.cfg = from_dict(EvalConfig, cfg)
+        # a location (this node's mirror of a remote cache, filled with what other runs recorded)
+        self.cache = cache_root = str(storage.attach(cache_root))
         torch.set_num_threads(max(1, int(self.cfg.cpus_per_actor)))
         text_search.configure(text_search.TextSearchConfig(dense_rerank=self.cfg.dense_rerank))
         model = self.cfg.model
@@ -212,7 +215,12 @@ class EvalWorker:
                 return {"benchmark": bench, "line": item.get("line"), **rec,
                         "seconds": round(time.perf_counter() - t0, 3)}
 
-        return list(await asyncio.gather(*(one(b, m, it) for b, m, it in chunk)))
+        records = list(await asyncio.gather(*(one(b, m, it) for b, m, it in chunk)))
+        if self.cfg.tools == "inprocess":
+            from osvl import storage
+
+            storage.publish(self.cache)  # the calls recorded for this chunk, for the next run on any node
+        return records
 
 
 def read_items(path: Path) -> list[dict[str, Any]]:
@@ -235,6 +243,7 @@ def run(cfg: EvalConfig, log: Any = print) -> dict[str, Any]:
     """The whole job; returns the summary (also written as summary.json)."""
     import ray
 
+    from osvl import storage
     from osvl.cluster import init_ray
     from osvl.config import run_dir
     from osvl.eval.loaders import load_benchmark
@@ -243,8 +252,9 @@ def run(cfg: EvalConfig, log: Any = print) -> dict[str, Any]:
 
     check(cfg)
     t0 = time.perf_counter()
-    out = run_dir(cfg, JOB).resolve()
-    cache_root = cfg.tool_cache_root or str(Path(cfg.run.root).resolve() / JOB / "tool_cache")
+    out = run_dir(cfg, JOB).resolve()  # a local folder, or the node-local mirror of <root>/eval/<hash>/
+    cache_root = cfg.tool_cache_root or storage.join(
+        cfg.run.root if storage.is_uri(cfg.run.root) else str(Path(cfg.run.root).resolve()), JOB, "tool_cache")
     benches, names = [], set()
     for spec in cfg.benchmarks:
         b = load_benchmark(spec, cfg.image_root)
@@ -290,6 +300,7 @@ def run(cfg: EvalConfig, log: Any = print) -> dict[str, Any]:
                         record_eval_item(metrics, *_key(rec)[:2], bool(rec["correct"]))
                         finished += 1
                     f.flush()
+                    storage.publish(out, ITEMS)  # scored items survive losing this node: a rerun resumes
                 log(f"eval: {finished}/{len(todo)} items scored ({time.perf_counter() - t0:.0f} s)")
         for a in actors:
             ray.kill(a)
@@ -297,6 +308,7 @@ def run(cfg: EvalConfig, log: Any = print) -> dict[str, Any]:
     summary = write_reports(out, records, benches, cfg.modes, extra={
         "model": cfg.model, "judge": cfg.judge, "evaluated_now": len(todo), "resumed": len(done),
         "seconds": round(time.perf_counter() - t0, 1), "config": to_dict(cfg)})
+    storage.publish(out)
     log((out / "summary.md").read_text())
     return summary
 

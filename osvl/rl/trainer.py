@@ -135,14 +135,30 @@ class Monitor(threading.Thread):
         self.tail()
 
     def tail(self) -> None:
+        for line in self._new_bytes().decode().splitlines(keepends=True):
+            if line.endswith("\n"):
+                self._offset += len(line.encode())
+                self.print_row(json.loads(line))
+
+    def _new_bytes(self) -> bytes:
+        """What the learner appended to the step log since ``_offset``. With a remote run root it is read from
+        storage: learner rank 0 may run on another node, whose mirror publishes there after every row (and
+        this mirror is not written, so a learner on this node keeps its file)."""
+        from osvl import storage
+
+        uri = storage.location(self.log_path)
+        if storage.is_remote(uri):
+            fs, path = storage.open_root(uri)
+            info = fs.get_file_info(path)
+            if info.type.name != "File" or info.size <= self._offset:
+                return b""
+            with fs.open_input_file(path) as f:
+                return f.read_at(info.size - self._offset, self._offset)
         if not self.log_path.exists():
-            return
-        with self.log_path.open() as f:
+            return b""
+        with self.log_path.open("rb") as f:
             f.seek(self._offset)
-            for line in f:
-                if line.endswith("\n"):
-                    self._offset += len(line.encode())
-                    self.print_row(json.loads(line))
+            return f.read()
 
 
 def start_cluster(rc: RolloutConfig, lc: LearnerConfig) -> None:
@@ -184,6 +200,12 @@ def train(parts: GRPOParts, model_dir: str | Path, questions: list[dict[str, Any
     image_dir = out / "images"
     log_path = out / "steps.jsonl"
     resume = ckpt.latest(ckpt_root)
+    if resume is not None and int(resume.name.removeprefix(ckpt.PREFIX)) >= tc.steps \
+            and (out / "summary.json").is_file():  # a finished run, resubmitted: start no actor and no learner
+        log(f"resuming from {resume.name}: all {tc.steps} steps trained, nothing to run")
+        rows = [json.loads(line) for line in log_path.read_text().splitlines()] if log_path.exists() else []
+        return {**json.loads((out / "summary.json").read_text()), "rows": rows, "resumed_from": resume.name,
+                "checkpoint": str(resume)}
     named = (lambda n: {"name": actor_prefix + n}) if actor_prefix else (lambda n: {})  # noqa: E731
     # the buffer and the weight store live on the driver's node (the head in production): losing a
     # worker node must not take the run's ledger with it, and losing the driver ends the run anyway
@@ -411,9 +433,15 @@ def run(cfg: GRPOConfig, log: Callable[[str], None] = print) -> dict[str, Any]:
     res = train(parts, model, questions, qdir / "images", out, log=log, print_row=lambda r: log(format_row(r)))
     summary = summarize(res["rows"])
     after = None
+    grpo_eval = out / "pass1_grpo.json"  # of one checkpoint: a resubmitted finished run does not score it again
     if heldout and res["checkpoint"]:
-        after = pass_at_1(Path(res["checkpoint"]) / "hf", heldout, qdir / "images", cfg.rollout,
-                          cfg.eval.concurrency)
+        name = Path(res["checkpoint"]).name
+        if grpo_eval.is_file() and json.loads(grpo_eval.read_text())["checkpoint"] == name:
+            after = json.loads(grpo_eval.read_text())["pass1"]
+        else:
+            after = pass_at_1(Path(res["checkpoint"]) / "hf", heldout, qdir / "images", cfg.rollout,
+                              cfg.eval.concurrency)
+            grpo_eval.write_text(json.dumps({"checkpoint": name, "pass1": after}))
     st = res["buffer"]
     summary.update(pass1_sft=before, pass1_grpo=after, seconds=time.perf_counter() - t0, train_s=res["seconds"],
                    issued=st["issued_total"], consumed=st["consumed"], dropped=st["dropped"],

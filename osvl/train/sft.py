@@ -5,9 +5,9 @@ What one run does (``jobs/sft.py`` parses the config and calls ``run``):
 1. The driver finds the trajectory table (a ``write_trajectories`` folder; a ShareGPT release
    file is first imported into one), splits questions into train and validation by a hash of
    the question id (no question is on both sides), and starts ``num_workers`` Ray Train workers.
-2. The driver reads the token columns with Ray Data (images stay on disk, decoded only for the
-   rows a worker trains on) and materializes the train and validation splits in the object
-   store, one block per part file in file order. **Data order**: every epoch each worker
+2. The driver reads the token columns (images stay on disk, decoded only for the rows a worker
+   trains on) and puts the train and validation splits in the object store as Ray Datasets,
+   one block per part file in file order. **Data order**: every epoch each worker
    iterates the same dataset through a local shuffle buffer seeded with ``(seed, epoch)``, in
    global micro-batches of ``num_workers x micro_batch`` rows, and keeps its own
    ``micro_batch`` slice. The order depends only on the data and ``(seed, epoch)``, so a
@@ -128,24 +128,27 @@ def count_rows(files: list[Path], val_fraction: float) -> tuple[int, int]:
 
 
 def load_split(files: list[Path], val_fraction: float, val: bool):
-    """The train or validation rows (token columns only) as a Ray Dataset materialized in the object store.
+    """The train or validation rows (token columns only) as a Ray Dataset in the object store.
 
-    Read and filtered once, in file order (``preserve_order``), into one block per file, so
-    the block layout, and with it every epoch's order, is the same in a resumed run.
+    Read here, in the driver, from the files it already holds (a local folder, or this node's
+    mirror of the run root: ``count_rows`` read them too), one block per file in file order, so
+    the block layout, and with it every epoch's order, is the same in a resumed run. Not
+    ``ray.data.read_parquet``: its listing and read tasks start worker processes, on other nodes
+    of a cluster, which costs more than the read at the sizes osvl trains (token ids of thousands
+    of trajectories); the blocks land in the object store either way and the train workers stream
+    them from there. The driver holds one split in memory while it puts it there; a set too big
+    for that wants the read tasks back.
     """
+    import pyarrow as pa
+    import pyarrow.parquet as pq
     import ray.data
 
-    ctx = ray.data.DataContext.get_current()
-    ctx.execution_options.preserve_order = True
-    ctx.enable_progress_bars = False  # the job prints its own progress line
-    from osvl import storage
-
-    # read tasks run on any node: files in a mirror are read from the storage it mirrors
-    where = [storage.location(f) for f in files]
-    fs = storage.open_root(where[0])[0] if storage.is_remote(where[0]) else None
-    paths = [storage.open_root(w)[1] for w in where] if fs is not None else [str(f) for f in files]
-    ds = ray.data.read_parquet(paths, filesystem=fs, columns=COLUMNS, override_num_blocks=len(files))
-    return ds.filter(lambda r: is_val(r["question_id"], val_fraction) == val).materialize()
+    tables = []
+    for f in files:
+        t = pq.read_table(f, columns=COLUMNS)
+        keep = [is_val(q, val_fraction) == val for q in t.column("question_id").to_pylist()]
+        tables.append(t.filter(pa.array(keep, pa.bool_())))
+    return ray.data.from_arrow(tables)
 
 
 def global_batches(ds, *, rows: int, drop_last: bool, shuffle_buffer: int = 0, seed: int = 0):
@@ -428,7 +431,7 @@ def run(cfg: SftConfig, *, log: Any = print) -> dict[str, Any]:
     log_file = out / "train_log.jsonl"
     trainer = make_trainer(
         train_loop, {"cfg": cfg, "train_ds": load_split(files, cfg.data.val_fraction, False),
-                     "val_ds": load_split(files, cfg.data.val_fraction, True),
+                     "val_ds": load_split(files, cfg.data.val_fraction, True) if n_val else None,
                      "image_dir": storage_location(image_dir),
                      "model_dir": model_dir, "total_steps": steps, "train_rows": n_train, "val_rows": n_val,
                      "log_file": str(log_file)},
