@@ -325,7 +325,8 @@ def format_help(cls: type, job: str = "", prefix: str = "", defaults: Any = None
     """
     lines = []
     if not prefix:
-        lines.append(f"usage: python jobs/{job}.py [--profile=NAME|FILE.yaml] [--section.key=value ...]")
+        lines.append(f"usage: python jobs/{job}.py [--profile=NAME|FILE.yaml] "
+                     "[--log_level=debug|info|warning|error] [--section.key=value ...]")
         profiles = sorted(x.stem for x in (CONFIG_DIR / job).glob("*.yaml")) if job else []
         if profiles:
             lines.append(f"profiles: {', '.join(profiles)} (default: demo)")

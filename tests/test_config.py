@@ -430,7 +430,7 @@ def test_yaml_profile_errors(tmp_path):
 
 
 HELP = """\
-usage: python jobs/toy.py [--profile=NAME|FILE.yaml] [--section.key=value ...]
+usage: python jobs/toy.py [--profile=NAME|FILE.yaml] [--log_level=debug|info|warning|error] [--section.key=value ...]
 profiles: demo, production (default: demo)
 
 [run] Run root and seed.
@@ -500,8 +500,8 @@ def test_help_lists_every_field(configs_dir, capsys, flag):
 
 def test_help_without_profiles_or_job(configs_dir):
     text = format_help(RunConfig, "nojob")
-    assert text.startswith("usage: python jobs/nojob.py [--profile=NAME|FILE.yaml] [--section.key=value ...]\n\n"
-                           "  --root=")
+    assert text.startswith("usage: python jobs/nojob.py [--profile=NAME|FILE.yaml] "
+                           "[--log_level=debug|info|warning|error] [--section.key=value ...]\n\n  --root=")
     assert format_help(RunConfig).startswith("usage: python jobs/.py [--profile")
     assert "profiles:" not in format_help(Job)
     shown = format_help(Model, prefix="m.", defaults=Model(hidden=5))

@@ -37,10 +37,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import shutil
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -54,6 +56,8 @@ from osvl.agent.reward import RewardConfig
 from osvl.agent.teacher import OracleConfig
 from osvl.config import RunConfig, from_dict, opt, run_dir, to_dict
 from osvl.errors import ConfigError, DataError, EndpointUnavailable
+
+logger = logging.getLogger(__name__)
 
 JOB = "trajectories"
 TEACHERS = ("oracle", "openai")
@@ -126,7 +130,7 @@ def validate(cfg: TrajConfig) -> None:
         raise ConfigError("an LLM judge (reward.judge / reward.query_scorer) needs judge.base_url and judge.model")
 
 
-def questions_dir(cfg: TrajConfig, log: Any = print) -> Path:
+def questions_dir(cfg: TrajConfig, log: Callable[[str], None] = logger.info) -> Path:
     """The synthesize run to read: ``cfg.questions``, or the default synthesize run (built or reused)."""
     if cfg.questions:
         path = Path(cfg.questions)
@@ -361,7 +365,7 @@ def report(counts: Counter[str], seconds: float) -> dict[str, Any]:
     }
 
 
-def run(cfg: TrajConfig, *, log: Any = print) -> tuple[Path, dict[str, Any]]:
+def run(cfg: TrajConfig, *, log: Callable[[str], None] = logger.info) -> tuple[Path, dict[str, Any]]:
     """Answer the split's questions with the teacher, filter, keep, write (resuming shards)."""
     import ray
 

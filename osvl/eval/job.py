@@ -24,8 +24,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,6 +37,8 @@ from osvl.agent.evaluate import MODES
 from osvl.agent.loop import AgentConfig
 from osvl.config import RunConfig, from_dict, opt, to_dict
 from osvl.errors import ConfigError, DataError
+
+logger = logging.getLogger(__name__)
 
 JOB = "eval"
 ITEMS = "items.jsonl"
@@ -225,7 +229,7 @@ def _key(rec: dict[str, Any]) -> tuple[str, str, str]:
     return rec["benchmark"], rec["mode"], rec["id"]
 
 
-def run(cfg: EvalConfig, log: Any = print) -> dict[str, Any]:
+def run(cfg: EvalConfig, log: Callable[[str], None] = logger.info) -> dict[str, Any]:
     """The whole job; returns the summary (also written as summary.json)."""
     import ray
 

@@ -39,6 +39,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import logging
 import os
 import sys
 import time
@@ -55,6 +56,8 @@ from osvl.errors import ConfigError, DataError
 from osvl.kg import wikidata
 from osvl.kg.mediawiki import iter_page_fields, page_from_fields, parse_page
 from osvl.kg.schema import fold, write_kg
+
+logger = logging.getLogger(__name__)
 
 JOB = "build_kg"
 SAMPLE_INPUT = "$OSVL_SHARED_DATA/mediawiki/enwiki-pages-articles-sample.xml.bz2"
@@ -315,7 +318,7 @@ def _copy_out(kg_dir: Path, out_dir: str) -> None:
         os.replace(tmp, dest / name)
 
 
-def run(cfg: BuildKGConfig, *, log: Callable[[str], None] = print) -> tuple[Path, dict[str, Any]]:
+def run(cfg: BuildKGConfig, *, log: Callable[[str], None] = logger.info) -> tuple[Path, dict[str, Any]]:
     """Both passes; returns the KG folder and the counts (also saved as ``counts.json``)."""
     from osvl.cluster import init_ray
 

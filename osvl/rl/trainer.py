@@ -19,6 +19,7 @@ and resumes from the latest checkpoint.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import threading
 import time
@@ -33,6 +34,8 @@ from osvl.rl.learner import RLConfig
 from osvl.rl.loss import MODES
 from osvl.rl.rollout import RolloutConfig
 from osvl.storage import publish
+
+logger = logging.getLogger(__name__)
 
 JOB = "grpo"
 
@@ -156,7 +159,7 @@ def start_cluster(rc: RolloutConfig, lc: LearnerConfig) -> None:
 
 
 def train(parts: GRPOParts, model_dir: str | Path, questions: list[dict[str, Any]], question_image_dir: str | Path,
-          out: Path, log: Callable[[str], None] = print, print_row: Callable[[dict], None] | None = None,
+          out: Path, log: Callable[[str], None] = logger.info, print_row: Callable[[dict], None] | None = None,
           actor_prefix: str = "") -> dict[str, Any]:
     """Run (or resume) GRPO into ``out``; returns a summary with the step log and the accounting.
 
@@ -302,7 +305,7 @@ def _sub_config(cls: type, job: str, root: str, seed: int, overrides: dict[str, 
     return merge(cfg, overrides)
 
 
-def prepare(cfg: GRPOConfig, log: Callable[[str], None] = print) -> tuple[Path, Path]:
+def prepare(cfg: GRPOConfig, log: Callable[[str], None] = logger.info) -> tuple[Path, Path]:
     """(synthesize run folder, policy HF folder): given, or built/reused by the other jobs' library functions."""
     from osvl.synth import pipeline
 
@@ -380,7 +383,7 @@ def format_row(row: dict[str, Any]) -> str:
     return " ".join(cells) + "  " + json.dumps(row.get("staleness", {}))
 
 
-def run(cfg: GRPOConfig, log: Callable[[str], None] = print) -> dict[str, Any]:
+def run(cfg: GRPOConfig, log: Callable[[str], None] = logger.info) -> dict[str, Any]:
     """The whole job (see GRPOConfig); prints a per-step table and a final summary, returns the summary."""
     from osvl.config import run_dir
     from osvl.rl.rollout import pass_at_1

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 from collections import Counter
 from dataclasses import dataclass, field, fields
@@ -32,6 +33,8 @@ import pyarrow as pa
 
 from osvl.agent.judge import normalize_answer
 from osvl.errors import ConfigError
+
+logger = logging.getLogger(__name__)
 
 STAGES = ("no_tools", "one_image_search")
 ENV = "OSVL_DIFFICULTY"
@@ -164,6 +167,9 @@ class DifficultyFilter:
     """The pipeline's filter-slot stage (``module:Class``): a pyarrow batch in, its surviving rows out."""
 
     def __init__(self) -> None:
+        from osvl.logs import setup
+
+        setup()  # a Ray Data worker: its root logger is not configured yet
         self.cfg = DifficultyConfig.from_env()
         self.model = NoToolsModel(self.cfg) if self.cfg.model and "no_tools" in self.cfg.stages else None
 
@@ -171,7 +177,7 @@ class DifficultyFilter:
         counts: Counter[str] = Counter()
         rows = batch.to_pylist()
         kept = filter_rows(rows, self.cfg, self.model, counts)
-        print(f"difficulty filter: {len(rows)} in, {len(kept)} kept; drops {dict(counts)}", flush=True)
+        logger.info(f"difficulty filter: {len(rows)} in, {len(kept)} kept; drops {dict(counts)}")
         if self.cfg.report:
             with open(self.cfg.report, "a") as f:
                 f.write(json.dumps({"rows": len(rows), **counts}) + "\n")

@@ -33,9 +33,11 @@ from __future__ import annotations
 import hashlib
 import importlib
 import json
+import logging
 import os
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -52,6 +54,8 @@ from osvl.synth.degrade import UNDO_TOOL, degrade
 from osvl.synth.invariants import fold, violations
 from osvl.synth.rewrite import LLMConfig, llm_rewrite, template_rewrite
 from osvl.synth.walks import SPLITS, Graph, WalkConfig, assign_splits, random_walk
+
+logger = logging.getLogger(__name__)
 
 JOB = "synthesize"
 
@@ -565,7 +569,7 @@ def check_same_kg(graph: Graph, shard_dir: Path) -> None:
     stamp.write_text(fingerprint + "\n")
 
 
-def run(cfg: SynthConfig, *, log: Any = print) -> tuple[Path, dict[str, Any]]:
+def run(cfg: SynthConfig, *, log: Callable[[str], None] = logger.info) -> tuple[Path, dict[str, Any]]:
     """Synthesize (resuming committed shards), finalize; returns the run folder and the data card."""
     import ray
 

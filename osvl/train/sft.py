@@ -30,17 +30,21 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 import shutil
 import tempfile
 import time
 import zlib
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Literal
 
 from osvl.config import RunConfig, opt
 from osvl.errors import ConfigError, DataError
+
+logger = logging.getLogger(__name__)
 
 JOB = "sft"
 COLUMNS = ["id", "question_id", "input_ids", "gen_mask", "step_ids", "images", "image_max_pixels"]
@@ -233,10 +237,12 @@ def train_loop(config: dict) -> None:
     import torch
     import torch.distributed as dist
 
+    from osvl.logs import setup
     from osvl.metrics import TRAIN_GRAD_NORM, TRAIN_LOSS, TRAIN_LR, TRAIN_TOKENS_PER_S, TRAIN_VAL_LOSS, Recorder
     from osvl.models.load import load_processor
     from osvl.train.deepspeed import ds_config, init_engine, load_checkpoint, save_checkpoint
 
+    setup()  # a Ray Train worker: its root logger is not configured yet
     cfg: SftConfig = config["cfg"]
     from osvl import storage
 
@@ -263,7 +269,7 @@ def train_loop(config: dict) -> None:
         with ckpt.as_directory() as d:
             step = int(load_checkpoint(engine, Path(d))["step"])
         if rank == 0:
-            print(f"sft: resumed at step {step}/{total}", flush=True)
+            logger.info(f"sft: resumed at step {step}/{total}")
             with log_file.open("a") as f:
                 f.write(json.dumps({"resumed_at": step}) + "\n")
     rec = Recorder(JOB, log_file.parent.name)  # run label: the run folder (config hash or run.name)
@@ -301,14 +307,14 @@ def train_loop(config: dict) -> None:
                 rec.set(TRAIN_TOKENS_PER_S, tps)
                 el = now - t_start
                 val = f" | val {val_loss:.4f}" if not math.isnan(val_loss) else ""
-                print(f"sft step {step}/{total} | loss {loss:.4f}{val} | lr {lr:.2e} | gnorm {grad_norm:.3f} | "
-                      f"{tps:,.0f} tok/s | {el:.0f}s", flush=True)
+                logger.info(f"sft step {step}/{total} | loss {loss:.4f}{val} | lr {lr:.2e} | gnorm {grad_norm:.3f} | "
+                            f"{tps:,.0f} tok/s | {el:.0f}s")
         if step % cfg.ckpt_every == 0 or is_last:
             with tempfile.TemporaryDirectory(prefix="osvl-sft-") as d:
                 save_checkpoint(engine, Path(d), {"step": step}, processor if rank == 0 else None)
                 ray.train.report(log, checkpoint=ray.train.Checkpoint.from_directory(d))
             if rank == 0:
-                print(f"sft: checkpoint step {step}", flush=True)
+                logger.info(f"sft: checkpoint step {step}")
         t_step = time.time()
 
     micro_done = step * cfg.grad_accum  # global micro-batches consumed before this run
@@ -376,7 +382,7 @@ def resolve_data(cfg: SftConfig, out: Path, model_dir: str) -> Path:
     from osvl.config import parse_args
 
     traj_cfg = parse_args(TrajConfig, TRAJ_JOB, [f"--run.root={cfg.run.root}", f"--run.seed={cfg.run.seed}"])
-    folder, _ = make_trajectories(traj_cfg, log=print)
+    folder, _ = make_trajectories(traj_cfg)
     return Path(folder)
 
 
@@ -405,7 +411,7 @@ def loss_curve(log_file: Path, width: int = 60) -> str:
     return f"loss {hi:.3f} -> {losses[-1]:.3f}  {spark}\n  step:loss  {table}"
 
 
-def run(cfg: SftConfig, *, log: Any = print) -> dict[str, Any]:
+def run(cfg: SftConfig, *, log: Callable[[str], None] = logger.info) -> dict[str, Any]:
     """Train (resuming if this run folder has checkpoints), export the HF model, run the format check."""
     from osvl.cluster import init_ray
     from osvl.config import run_dir, to_dict
