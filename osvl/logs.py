@@ -91,7 +91,7 @@ class Progress:
     def __init__(self, total: int | None, desc: str, unit: str = "it", every_s: float = 30.0,
                  initial: int = 0) -> None:
         self.total, self.desc, self.unit, self.every_s = total, desc, unit, every_s
-        self.n = self.initial = initial
+        self.n = self.initial = self.shown = initial
         self.t0 = self.t_last = time.monotonic()
         self.postfix: dict[str, Any] = {}
         self.bar = None
@@ -112,7 +112,7 @@ class Progress:
             return
         now = time.monotonic()
         if now - self.t_last >= self.every_s or (self.total is not None and self.n >= self.total):
-            self.t_last = now
+            self.t_last, self.shown = now, self.n
             log.info(self.line(now))
 
     def line(self, now: float) -> str:
@@ -132,6 +132,10 @@ class Progress:
         return text + (f" | {extra}" if extra else "")
 
     def close(self) -> None:
+        """Close the bar; in plain mode log the last count unless a line already showed it."""
+        if self.bar is None and self.n != self.shown:
+            self.shown = self.n
+            log.info(self.line(time.monotonic()))
         if self.bar is not None:
             self.bar.close()
             self.bar = None

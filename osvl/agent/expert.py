@@ -56,6 +56,7 @@ from osvl.agent.reward import RewardConfig
 from osvl.agent.teacher import OracleConfig
 from osvl.config import RunConfig, from_dict, opt, run_dir, to_dict
 from osvl.errors import ConfigError, DataError, EndpointUnavailable
+from osvl.logs import Progress
 
 logger = logging.getLogger(__name__)
 
@@ -391,10 +392,12 @@ def run(cfg: TrajConfig, *, log: Callable[[str], None] = logger.info) -> tuple[P
                             batch_size=1, num_cpus=1, resources=role_resources("data", cfg.role_units),
                             compute=ray.data.ActorPoolStrategy(size=min(cfg.workers, len(todo))))
         finished = n_shards - len(todo)
-        for row in ds.iter_rows():
-            finished += 1
-            log(f"  shard {int(row['shard']):5d} done: kept {int(row['kept'])} in {float(row['seconds']):.1f} s "
-                f"({finished}/{n_shards})")
+        with Progress(n_shards, "trajectories", "shards", initial=finished) as bar:
+            for row in ds.iter_rows():
+                finished += 1
+                log(f"  shard {int(row['shard']):5d} done: kept {int(row['kept'])} in {float(row['seconds']):.1f} s "
+                    f"({finished}/{n_shards})")
+                bar.update(1)
         storage.refresh(out)  # shards the workers on other nodes published
     counts: Counter[str] = Counter()
     for k in range(n_shards):

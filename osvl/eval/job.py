@@ -37,6 +37,7 @@ from osvl.agent.evaluate import MODES
 from osvl.agent.loop import AgentConfig
 from osvl.config import RunConfig, from_dict, opt, to_dict
 from osvl.errors import ConfigError, DataError
+from osvl.logs import Progress
 
 logger = logging.getLogger(__name__)
 
@@ -274,7 +275,7 @@ def run(cfg: EvalConfig, log: Callable[[str], None] = logger.info) -> dict[str, 
         pending: dict[Any, int] = {}
         nxt = 0
         finished = 0
-        with items_file.open("a", encoding="utf-8") as f:
+        with items_file.open("a", encoding="utf-8") as f, Progress(len(todo), "eval", "items") as bar:
             while nxt < len(chunks) or pending:
                 while nxt < len(chunks) and len(pending) < 2 * len(actors):
                     pending[actors[nxt % len(actors)].run.remote(chunks[nxt])] = nxt
@@ -286,8 +287,8 @@ def run(cfg: EvalConfig, log: Callable[[str], None] = logger.info) -> dict[str, 
                         f.write(json.dumps(rec, ensure_ascii=False) + "\n")
                         record_eval_item(metrics, *_key(rec)[:2], bool(rec["correct"]))
                         finished += 1
+                        bar.update(1)
                     f.flush()
-                log(f"eval: {finished}/{len(todo)} items scored ({time.perf_counter() - t0:.0f} s)")
         for a in actors:
             ray.kill(a)
     records = read_items(items_file)

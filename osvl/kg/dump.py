@@ -56,6 +56,7 @@ from osvl.errors import ConfigError, DataError
 from osvl.kg import wikidata
 from osvl.kg.mediawiki import iter_page_fields, page_from_fields, parse_page
 from osvl.kg.schema import fold, write_kg
+from osvl.logs import Progress
 
 logger = logging.getLogger(__name__)
 
@@ -243,21 +244,24 @@ def parse_dump(path: Path, shard_dir: Path, shard_pages: int, workers: int, log:
         log(f"build_kg: {len(done)} shards already written in {shard_dir}; they are skipped")
     parsed, t0 = 0, time.perf_counter()
     pending: Future | None = None
-    with ThreadPoolExecutor(max_workers=1) as pool:  # one wave runs while the driver reads the next
-        for items, streamed in iter_waves(path, shard_pages, workers, done):
+    # the stream's length is unknown until its end: the bar counts shards
+    with ThreadPoolExecutor(max_workers=1) as pool, Progress(None, "build_kg", "shards", initial=len(done)) as bar:
+        for items, streamed in iter_waves(path, shard_pages, workers, done):  # one wave runs while the next is read
             if pending is not None:
-                parsed += _report(pending.result(), log, t0)
+                parsed += _report(pending.result(), log, t0, bar)
             log(f"build_kg: read {streamed} pages; parsing shards {items[0]['shard']}..{items[-1]['shard']}")
             pending = pool.submit(run_wave, items, shard_dir)
         if pending is not None:
-            parsed += _report(pending.result(), log, t0)
+            parsed += _report(pending.result(), log, t0, bar)
     return parsed
 
 
-def _report(results: list[tuple[int, dict[str, Any]]], log: Callable[[str], None], t0: float) -> int:
+def _report(results: list[tuple[int, dict[str, Any]]], log: Callable[[str], None], t0: float,
+            bar: Progress) -> int:
     for k, s in sorted(results):
         log(f"  shard {k:6d}: {s['pages']} pages, {s['articles']} articles, {s['redirects']} redirects, "
             f"{s['bad']} bad, {s['seconds']} s (t={time.perf_counter() - t0:.1f} s)")
+    bar.update(len(results), pages=sum(s["pages"] for _, s in results))
     return len(results)
 
 

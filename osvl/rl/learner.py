@@ -21,6 +21,7 @@ import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -485,9 +486,26 @@ def train_loop(config: dict[str, Any]) -> None:
                 log.flush()
                 storage.publish(run_folder, "steps.jsonl")
                 record_metrics(config["recorder"], row, config["steps"])
+                if (step + 1) % config["ckpt_every"] == 0 or step + 1 == config["steps"]:  # the last step is one
+                    draw_curves(log_path)
     finally:
         if log is not None:
             log.close()
+
+
+CURVES = "curves.png"  # the training curves, redrawn at each checkpoint (osvl/plots.py)
+CURVE_PANELS = [("reward parts", ["reward", "r_fmt", "r_acc", "r_query"]), ("fatal rate", ["fatal_rate"]),
+                ("clamp split (fatal rows)", ["clamped", "kept_positive"]), ("KL to the reference", ["kl"]),
+                ("entropy", ["entropy"]), ("clip fraction", ["clip_fraction"])]
+
+
+def draw_curves(log_path: Path) -> None:
+    """``curves.png`` beside the step log, published when the run folder mirrors remote storage."""
+    from osvl import storage
+    from osvl.plots import training_curves
+
+    training_curves(log_path, CURVE_PANELS, log_path.parent / CURVES, title=f"GRPO {log_path.parent.name}")
+    storage.publish(log_path.parent, CURVES)
 
 
 def step_row(step: int, groups: Sequence[Sequence[Any]], res: StepResult | None, wait_s: float, sync_s: float,

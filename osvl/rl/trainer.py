@@ -30,6 +30,7 @@ from typing import Any
 
 from osvl import storage
 from osvl.config import RunConfig, opt
+from osvl.logs import Progress
 from osvl.rl.learner import RLConfig
 from osvl.rl.loss import MODES
 from osvl.rl.rollout import RolloutConfig
@@ -410,7 +411,12 @@ def run(cfg: GRPOConfig, log: Callable[[str], None] = logger.info) -> dict[str, 
         publish(out, sft_eval.name)
     parts = GRPOParts(run=cfg.run, rl=cfg.rl, rollout=cfg.rollout, learner=cfg.learner, train=cfg.train)
     log(HEADER)
-    res = train(parts, model, questions, qdir / "images", out, log=log, print_row=lambda r: log(format_row(r)))
+    with Progress(cfg.train.steps, "grpo", "steps") as bar:
+        def show(row: dict[str, Any]) -> None:
+            log(format_row(row))
+            bar.update(1, reward=row["reward"], fatal=row["fatal_rate"])
+
+        res = train(parts, model, questions, qdir / "images", out, log=log, print_row=show)
     summary = summarize(res["rows"])
     after = None
     if heldout and res["checkpoint"]:

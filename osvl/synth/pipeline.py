@@ -50,6 +50,7 @@ import pyarrow.parquet as pq
 from osvl import storage
 from osvl.config import RunConfig, config_hash, from_dict, opt, run_dir, to_dict
 from osvl.errors import ConfigError
+from osvl.logs import Progress
 from osvl.synth.degrade import UNDO_TOOL, degrade
 from osvl.synth.invariants import fold, violations
 from osvl.synth.rewrite import LLMConfig, llm_rewrite, template_rewrite
@@ -595,10 +596,12 @@ def run(cfg: SynthConfig, *, log: Callable[[str], None] = logger.info) -> tuple[
                             batch_size=1, num_cpus=1, resources=role_resources("data", cfg.role_units),
                             compute=ray.data.ActorPoolStrategy(size=min(cfg.workers, len(todo))))
         finished = cfg.num_shards - len(todo)
-        for row in ds.iter_rows():
-            finished += 1
-            log(f"  shard {int(row['shard']):5d} done: {int(row['questions'])} questions in "
-                f"{float(row['seconds']):.1f} s ({finished}/{cfg.num_shards})")
+        with Progress(cfg.num_shards, "synthesize", "shards", initial=finished) as bar:
+            for row in ds.iter_rows():
+                finished += 1
+                log(f"  shard {int(row['shard']):5d} done: {int(row['questions'])} questions in "
+                    f"{float(row['seconds']):.1f} s ({finished}/{cfg.num_shards})")
+                bar.update(1)
         storage.refresh(out)  # shards the workers on other nodes published
     card = finalize(cfg, out, cfg.num_shards, time.perf_counter() - t0, n_seeds)
     storage.publish(out)

@@ -43,10 +43,14 @@ from typing import Any, Literal
 
 from osvl.config import RunConfig, opt
 from osvl.errors import ConfigError, DataError
+from osvl.logs import Progress
 
 logger = logging.getLogger(__name__)
 
 JOB = "sft"
+CURVES = "curves.png"  # the training curves, redrawn at each checkpoint and at the end (osvl/plots.py)
+CURVE_PANELS = [("loss (token-mean NLL)", ["loss", "val_loss"]), ("learning rate", ["lr"]),
+                ("gradient norm", ["grad_norm"])]
 COLUMNS = ["id", "question_id", "input_ids", "gen_mask", "step_ids", "images", "image_max_pixels"]
 
 
@@ -273,6 +277,8 @@ def train_loop(config: dict) -> None:
             with log_file.open("a") as f:
                 f.write(json.dumps({"resumed_at": step}) + "\n")
     rec = Recorder(JOB, log_file.parent.name)  # run label: the run folder (config hash or run.name)
+    # a Ray Train worker's output is never a terminal: plain lines in the job log, from rank 0 only
+    bar = Progress(total, "sft", "steps", initial=step)
     rows_per_micro = world * cfg.micro_batch
     micro_per_epoch = config["train_rows"] // rows_per_micro
     t_start = t_last = t_step = time.time()
@@ -292,6 +298,7 @@ def train_loop(config: dict) -> None:
         if not math.isnan(val_loss):
             log["val_loss"] = val_loss
         if rank == 0:
+            bar.update(1, loss=loss)
             with log_file.open("a") as f:
                 f.write(json.dumps(log) + "\n")
             rec.set(TRAIN_LOSS, loss)
@@ -315,6 +322,7 @@ def train_loop(config: dict) -> None:
                 ray.train.report(log, checkpoint=ray.train.Checkpoint.from_directory(d))
             if rank == 0:
                 logger.info(f"sft: checkpoint step {step}")
+                draw_curves(log_file)
         t_step = time.time()
 
     micro_done = step * cfg.grad_accum  # global micro-batches consumed before this run
@@ -411,6 +419,15 @@ def loss_curve(log_file: Path, width: int = 60) -> str:
     return f"loss {hi:.3f} -> {losses[-1]:.3f}  {spark}\n  step:loss  {table}"
 
 
+def draw_curves(log_file: Path) -> None:
+    """``curves.png`` beside the step log, published when the run folder mirrors remote storage."""
+    from osvl import storage
+    from osvl.plots import training_curves
+
+    training_curves(log_file, CURVE_PANELS, log_file.parent / CURVES, title=f"SFT {log_file.parent.name}")
+    storage.publish(log_file.parent, CURVES)
+
+
 def run(cfg: SftConfig, *, log: Callable[[str], None] = logger.info) -> dict[str, Any]:
     """Train (resuming if this run folder has checkpoints), export the HF model, run the format check."""
     from osvl.cluster import init_ray
@@ -456,6 +473,7 @@ def run(cfg: SftConfig, *, log: Callable[[str], None] = logger.info) -> dict[str
     resumed = [e["resumed_at"] for e in entries if "resumed_at" in e]
     log_file.write_text("".join(json.dumps(lines[k]) + "\n" for k in sorted(lines)))
     log(loss_curve(log_file))
+    draw_curves(log_file)
     from osvl.agent.evaluate import OFFER_FILE, trained_tools
 
     offer = trained_tools(data_dir)  # the policy's prompt showed these tools: evals offer the same
