@@ -17,7 +17,6 @@ learner's weights would make every ratio 1 and silently turn off the correction)
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -239,11 +238,22 @@ class StepResult:
     cpu_s: float               # this process's CPU time in the step: below ``seconds`` when cores are shared
 
 
-class Learner:
-    """Model + optimiser + optional frozen reference; ``step(batch)`` is one GRPO update.
+def make_engine(model: torch.nn.Module, cfg: RLConfig, *, zero_stage: int = 2, world: int = 1,
+                optimizer: torch.optim.Optimizer | None = None) -> Any:
+    """The DeepSpeed engine a learner rank steps: AdamW (or ``optimizer``) under the ``rl.warmup_steps``
+    schedule, ZeRO ``zero_stage``, one micro-batch per step. Outside Ray Train (tests) it makes a
+    one-process group first, so a test runs the learner exactly as a one-worker job does."""
+    from osvl.train.deepspeed import ds_config, init_engine
 
-    ``engine`` is anything with DeepSpeed's ``backward``/``step`` interface; when None a
-    plain torch AdamW drives ``model`` (one process: tests, the single-worker demo).
+    opt_ = optimizer or torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr,
+                                          weight_decay=cfg.weight_decay)
+    return init_engine(model, opt_, warmup_schedule(opt_, cfg.warmup_steps),
+                       ds_config(zero_stage, micro_batch=1, grad_accum=1, world_size=world, grad_clip=cfg.grad_clip))
+
+
+class Learner:
+    """A DeepSpeed engine (``make_engine``) + optional frozen reference; ``step(batch)`` is one GRPO update.
+
     ``temperature`` is the rollouts' sampling temperature: the behaviour log-probs are those
     of the tempered distribution, so the current (and reference) log-probs must be too, or
     the importance ratio is off before the first update. At 0.7 with T=1 log-probs, 31% of
@@ -252,17 +262,11 @@ class Learner:
     on unlikely tokens negative ones only): entropy 1.7 -> 0.2 in 10 steps.
     """
 
-    def __init__(self, model: torch.nn.Module, cfg: RLConfig, *, engine: Any = None,
-                 optimizer: torch.optim.Optimizer | None = None, ref_model: torch.nn.Module | None = None,
+    def __init__(self, engine: Any, cfg: RLConfig, *, ref_model: torch.nn.Module | None = None,
                  temperature: float = 1.0) -> None:
-        self.model, self.cfg, self.engine, self.ref = model, cfg, engine, ref_model
+        self.engine, self.model, self.cfg, self.ref = engine, engine.module, cfg, ref_model
         self.temperature = temperature
-        self.params = [p for p in model.parameters() if p.requires_grad]
-        if engine is None and optimizer is None:
-            optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay)
-        self.optimizer = optimizer
-        # DeepSpeed steps the schedule it was given; the plain path steps its own
-        self.schedule = warmup_schedule(optimizer, cfg.warmup_steps) if engine is None else None
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.step_count = 0      # optimiser steps applied (the policy version)
         self.skipped = 0         # non-finite steps skipped
 
@@ -276,8 +280,7 @@ class Learner:
         """
         t0, c0 = time.perf_counter(), time.process_time()
         self.model.train()
-        module = self.engine if self.engine is not None else self.model
-        logp, logits = forward_logprobs(module, batch, self.temperature)
+        logp, logits = forward_logprobs(self.engine, batch, self.temperature)
         ref_logp = None
         if self.ref is not None and self.cfg.beta > 0:
             with torch.no_grad():
@@ -287,7 +290,7 @@ class Learner:
                        global_divisor=_sum_ranks if world > 1 else None)
         rows = sl.mask[scored_positions(batch["gen_mask"])]  # logits' rows, in order
         entropy = token_entropy(logits, rows)
-        loss = sl.out.loss * (world if self.engine is not None else 1)
+        loss = sl.out.loss * world
         # the step's loss, KL and token-weighted entropy, the same on every rank (so are the bound checks)
         n = float(rows.sum()) if live else 0.0
         reported = _sum_ranks(torch.tensor([float(sl.out.loss.detach()), float(sl.out.policy_loss), float(sl.out.kl),
@@ -295,26 +298,14 @@ class Learner:
         entropy = float(reported[3] / reported[4]) if reported[4] > 0 else entropy
         finite = _all_ranks(bool(torch.isfinite(loss)))
         grad_norm = float("nan")
-        if self.engine is not None:
-            if finite:
-                self.engine.backward(loss)
-                finite = not _overflow(self.engine, self.params)
-            if finite:
-                self.engine.step()
-                grad_norm = float(self.engine.get_global_grad_norm() or 0.0)
-            else:
-                self.engine.optimizer.zero_grad()
+        if finite:
+            self.engine.backward(loss)
+            finite = not _overflow(self.engine, self.params)
+        if finite:
+            self.engine.step()
+            grad_norm = float(self.engine.get_global_grad_norm() or 0.0)
         else:
-            self.optimizer.zero_grad(set_to_none=True)
-            if finite:
-                loss.backward()
-                norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip or float("inf"))
-                grad_norm = float(norm)
-                finite = math.isfinite(grad_norm)
-            if finite:
-                self.optimizer.step()
-                self.schedule.step()
-            self.optimizer.zero_grad(set_to_none=True)
+            self.engine.optimizer.zero_grad()
         if finite:
             self.step_count += 1
         else:
@@ -404,7 +395,7 @@ def train_loop(config: dict[str, Any]) -> None:
     from osvl.models.load import load_model, load_processor
     from osvl.rl import checkpoint as ckpt
     from osvl.rl.weights import publish
-    from osvl.train.deepspeed import ds_config, hf_state_dict, init_engine
+    from osvl.train.deepspeed import hf_state_dict
 
     cfg: RLConfig = config["rl"]
     torch.set_num_threads(config["threads"])
@@ -423,12 +414,8 @@ def train_loop(config: dict[str, Any]) -> None:
         ref = load_model(model_dir, dtype="float32").eval()
         for p in ref.parameters():
             p.requires_grad_(False)
-    opt_ = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr,
-                             weight_decay=cfg.weight_decay)
-    engine = init_engine(model, opt_, warmup_schedule(opt_, cfg.warmup_steps),
-                         ds_config(config["zero_stage"], micro_batch=1, grad_accum=1, world_size=world,
-                                   grad_clip=cfg.grad_clip))
-    learner = Learner(engine.module, cfg, engine=engine, ref_model=ref, temperature=config["temperature"])
+    engine = make_engine(model, cfg, zero_stage=config["zero_stage"], world=world)
+    learner = Learner(engine, cfg, ref_model=ref, temperature=config["temperature"])
     buffer, store = config["buffer"], config["store"]
     resume = ckpt.latest(ckpt_root)
     if rank == 0 and ray.get(buffer.begin_learner.remote()) > 0:
