@@ -140,10 +140,9 @@ def training_curves(log_file: str | Path, panels: list[tuple[str, list[str]]], o
     if title:
         fig.suptitle(title, fontsize=11)
     fig.tight_layout()
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")
-    fig.savefig(tmp, dpi=90, format="png")
+    from osvl.storage import atomic
+
+    with atomic(out) as tmp:
+        fig.savefig(tmp, dpi=90, format="png")
     plt.close(fig)
-    tmp.replace(out)
-    return out
+    return Path(out)

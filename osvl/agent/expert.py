@@ -328,9 +328,7 @@ class ShardWorker:
         if kept:
             write_trajectories(shard_dir, kept, {sha: store[sha] for t in kept for sha in t.images})
         marker = self.out / "shards" / f"shard-{shard:05d}.json"
-        tmp = marker.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(dict(counts), sort_keys=True))
-        os.replace(tmp, marker)
+        storage.atomic_write(marker, json.dumps(dict(counts), sort_keys=True))
         storage.publish(self.out, f"shards/shard-{shard:05d}", marker.relative_to(self.out).as_posix())  # marker last
         return counts
 

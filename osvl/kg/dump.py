@@ -40,7 +40,6 @@ import dataclasses
 import hashlib
 import json
 import logging
-import os
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -57,6 +56,7 @@ from osvl.kg import wikidata
 from osvl.kg.mediawiki import iter_page_fields, page_from_fields, parse_page
 from osvl.kg.schema import fold, write_kg
 from osvl.logs import Progress
+from osvl.storage import atomic, atomic_write
 
 logger = logging.getLogger(__name__)
 
@@ -176,9 +176,8 @@ def write_shard(path: Path, rows: list[dict[str, Any]], stats: dict[str, Any]) -
     """Atomic: a reader (or a resumed run) sees the whole shard or none of it."""
     table = pa.Table.from_pylist(rows, schema=SHARD_SCHEMA)
     table = table.replace_schema_metadata({STATS_KEY: json.dumps(stats).encode()})
-    tmp = path.with_suffix(".parquet.tmp")
-    pq.write_table(table, tmp, compression="zstd")
-    os.replace(tmp, path)
+    with atomic(path) as tmp:
+        pq.write_table(table, tmp, compression="zstd")
 
 
 def read_stats(path: Path) -> dict[str, Any]:
@@ -317,9 +316,7 @@ def _copy_out(kg_dir: Path, out_dir: str) -> None:
         (dest / "images").mkdir(exist_ok=True)
         names += [f"images/{p.name}" for p in sorted((kg_dir / "images").iterdir())]
     for name in names:
-        tmp = dest / f"{name}.tmp"
-        tmp.write_bytes((kg_dir / name).read_bytes())
-        os.replace(tmp, dest / name)
+        atomic_write(dest / name, (kg_dir / name).read_bytes())
 
 
 def run(cfg: BuildKGConfig, *, log: Callable[[str], None] = logger.info) -> tuple[Path, dict[str, Any]]:

@@ -34,7 +34,6 @@ import hashlib
 import importlib
 import json
 import logging
-import os
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -188,11 +187,7 @@ class ImageStore:
 
     def _put(self, data: bytes, ext: str) -> str:
         name = hashlib.sha256(data).hexdigest()[:24] + ext
-        path = self.dir / name
-        if not path.exists():
-            tmp = path.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_bytes(data)
-            os.replace(tmp, path)
+        storage.write_once(self.dir / name, data)
         return name
 
     def _source(self, image: str) -> Path:
@@ -383,9 +378,8 @@ def commit_shard(shard_dir: Path, shard: int, rows: list[dict[str, Any]], counts
     final = shard_path(shard_dir, shard)
     final.with_suffix(".json").write_text(json.dumps({k: dict(v) for k, v in counts.items()}, sort_keys=True))
     table = pa.Table.from_pylist(rows, schema=ROW_SCHEMA)
-    tmp = final.with_suffix(f".{os.getpid()}.tmp")
-    pq.write_table(table, tmp)
-    os.replace(tmp, final)
+    with storage.atomic(final) as tmp:
+        pq.write_table(table, tmp)
 
 
 def _apply_filter_stage(cfg: SynthConfig, table: pa.Table) -> pa.Table:
@@ -545,9 +539,8 @@ def finalize(cfg: SynthConfig, out: Path, num_shards: int, seconds: float, seeds
     table = cap_shares(table, cfg.max_answer_share, cfg.max_seed_share, counts["caps"])
     for split in SPLITS:
         part = table.filter(pc.equal(table.column("split"), split))
-        tmp = out / f"{split}.parquet.tmp"
-        pq.write_table(part, tmp)
-        os.replace(tmp, out / f"{split}.parquet")
+        with storage.atomic(out / f"{split}.parquet") as tmp:
+            pq.write_table(part, tmp)
     record_counts(out.name, {"kept": table.num_rows},
                   {k: counts[k] for k in ("difficulty_filter", "caps") if k in counts})
     card = data_card(cfg, table, counts, seconds, seeds_planned)
