@@ -411,6 +411,14 @@ def parse_args(cls: type[T], job: str, argv: list[str] | None = None,
     return cfg
 
 
+def upstream_config(cls: type[T], job: str, run: RunConfig, overrides: dict[str, Any] | None = None) -> T:
+    """The config of a job another one builds on (or reuses): its demo profile, the downstream run's root and
+    seed, then ``overrides``. Every "build or reuse the upstream job" goes through here, so an identical
+    request lands in the same run folder (``run_dir``) and is reused there."""
+    cfg = parse_args(cls, job, [f"--run.root={run.root}", f"--run.seed={run.seed}"])
+    return merge(cfg, overrides or {})
+
+
 def dump(cfg: Any) -> str:
     """The resolved config as YAML, printed by every job at start."""
     import yaml

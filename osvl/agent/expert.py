@@ -136,11 +136,10 @@ def questions_dir(cfg: TrajConfig, log: Callable[[str], None] = logger.info) -> 
     if cfg.questions:
         path = Path(cfg.questions)
     else:
-        from osvl.config import parse_args
+        from osvl.config import upstream_config
         from osvl.synth import pipeline
 
-        scfg = parse_args(pipeline.SynthConfig, pipeline.JOB, [f"--run.root={cfg.run.root}"])
-        path, _ = pipeline.run(scfg, log=log)
+        path, _ = pipeline.run(upstream_config(pipeline.SynthConfig, pipeline.JOB, cfg.run), log=log)
     if not (path / f"{cfg.split}.parquet").is_file():
         raise DataError(f"{path} has no {cfg.split}.parquet (run jobs/synthesize.py first)")
     return path

@@ -298,23 +298,15 @@ class GRPOConfig:
     eval: EvalConfig = opt(EvalConfig, "Held-out Pass@1.")
 
 
-def _sub_config(cls: type, job: str, root: str, seed: int, overrides: dict[str, Any]) -> Any:
-    """Another job's config: its demo profile, this run's root and seed, then ``overrides``."""
-    from osvl.config import merge, parse_args
-
-    cfg = parse_args(cls, job, [f"--run.root={root}", f"--run.seed={seed}"])
-    return merge(cfg, overrides)
-
-
 def prepare(cfg: GRPOConfig, log: Callable[[str], None] = logger.info) -> tuple[Path, Path]:
     """(synthesize run folder, policy HF folder): given, or built/reused by the other jobs' library functions."""
+    from osvl.config import upstream_config
     from osvl.synth import pipeline
 
     if cfg.questions:
         qdir = Path(cfg.questions)
     else:
-        qdir, _ = pipeline.run(_sub_config(pipeline.SynthConfig, pipeline.JOB, cfg.run.root, cfg.run.seed,
-                                           cfg.synth), log=log)
+        qdir, _ = pipeline.run(upstream_config(pipeline.SynthConfig, pipeline.JOB, cfg.run, cfg.synth), log=log)
     qdir = qdir.resolve()  # Ray Train workers and actors run in other folders
     if cfg.model:
         return qdir, Path(cfg.model).resolve()
@@ -323,10 +315,10 @@ def prepare(cfg: GRPOConfig, log: Callable[[str], None] = logger.info) -> tuple[
 
     # the teacher's records must show the policy the tools it will be offered in RL (the system
     # prompt is part of every SFT row), so rollout.offer is the trajectories job's default
-    tcfg = _sub_config(expert.TrajConfig, expert.JOB, cfg.run.root, cfg.run.seed,
-                       {"questions": str(qdir), "offer": list(cfg.rollout.offer), **cfg.trajectories})
+    tcfg = upstream_config(expert.TrajConfig, expert.JOB, cfg.run,
+                           {"questions": str(qdir), "offer": list(cfg.rollout.offer), **cfg.trajectories})
     tdir, _ = expert.run(tcfg, log=log)
-    scfg = _sub_config(sft.SftConfig, sft.JOB, cfg.run.root, cfg.run.seed, cfg.sft)
+    scfg = upstream_config(sft.SftConfig, sft.JOB, cfg.run, cfg.sft)
     scfg = merge_data(scfg, tdir, qdir)
     from osvl.config import run_dir
 

@@ -387,10 +387,9 @@ def resolve_data(cfg: SftConfig, out: Path, model_dir: str) -> Path:
     from osvl.agent.expert import JOB as TRAJ_JOB
     from osvl.agent.expert import TrajConfig
     from osvl.agent.expert import run as make_trajectories
-    from osvl.config import parse_args
+    from osvl.config import upstream_config
 
-    traj_cfg = parse_args(TrajConfig, TRAJ_JOB, [f"--run.root={cfg.run.root}", f"--run.seed={cfg.run.seed}"])
-    folder, _ = make_trajectories(traj_cfg)
+    folder, _ = make_trajectories(upstream_config(TrajConfig, TRAJ_JOB, cfg.run))
     return Path(folder)
 
 
