@@ -4,8 +4,8 @@ Two layers. ``grpo_loss`` turns per-token log-probs and a batch's per-row
 fields into the fatal-aware loss of docs/design.md, by calling the pure math of
 ``osvl.rl.fatal`` / ``osvl.rl.loss`` in the one order the definition fixes:
 group statistics over all G first, then the mode's clamp/drop, then the token
-mask. ``Learner`` owns the model, the optimiser (a DeepSpeed engine under Ray
-Train, or plain torch for one process) and the frozen reference model, and adds
+mask. ``Learner`` owns the DeepSpeed engine (model and optimiser; the same engine on
+one rank in tests as in a one-worker job) and the frozen reference model, and adds
 the guards: a non-finite loss or gradient skips the step (counted), KL or entropy
 outside the configured bounds stops the run with ``TrainingDiverged``.
 
