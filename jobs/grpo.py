@@ -17,7 +17,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 from osvl.logs import start_job  # noqa: E402
-from osvl.rl.trainer import JOB, GRPOConfig, run  # noqa: E402
+from osvl.rl.job import JOB, GRPOConfig, run  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> None:

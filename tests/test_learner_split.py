@@ -22,7 +22,8 @@ import pytest
 import torch
 
 from osvl.agent.trajectory import Trajectory
-from osvl.rl.learner import Learner, RLConfig, forward_logprobs, make_engine, rank_share, rl_batch
+from osvl.rl.learner import Learner, RLConfig, forward_logprobs, make_engine
+from osvl.rl.learner_loop import rank_share, rl_batch
 
 pytestmark = pytest.mark.slow  # ~40 s on 2 shared cores: two DeepSpeed workers, three steps each
 
