@@ -16,7 +16,9 @@ import pytest
 import torch
 
 from osvl.config import parse_args
-from osvl.train.sft import JOB, SftConfig, is_val, loss_curve, lr_lambda, run
+from osvl.train.sft import JOB, SftConfig, loss_curve, run
+from osvl.train.sft_data import is_val
+from osvl.train.sft_loop import lr_lambda
 
 REPO = Path(__file__).resolve().parents[1]
 
