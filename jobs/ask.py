@@ -22,8 +22,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 from osvl.agent.loop import AgentConfig  # noqa: E402
-from osvl.config import dump, opt, parse_args  # noqa: E402
+from osvl.config import opt  # noqa: E402
 from osvl.errors import ConfigError  # noqa: E402
+from osvl.logs import start_job  # noqa: E402
 
 JOB = "ask"
 
@@ -136,8 +137,7 @@ def main(argv: list[str] | None = None) -> None:
         else:
             joined.append(arg)
             i += 1
-    cfg = parse_args(AskConfig, JOB, joined)
-    print(dump(cfg), flush=True)
+    cfg = start_job(AskConfig, JOB, joined)
     print(asyncio.run(ask(cfg)), flush=True)
 
 

@@ -18,14 +18,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from osvl.config import dump, parse_args  # noqa: E402
 from osvl.eval.job import JOB, EvalConfig, run  # noqa: E402
+from osvl.logs import start_job  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> dict:
-    cfg = parse_args(EvalConfig, JOB, argv)
-    print(dump(cfg), flush=True)
-    summary = run(cfg, log=lambda msg: print(msg, flush=True))
+    cfg = start_job(EvalConfig, JOB, argv)
+    summary = run(cfg)
     print(json.dumps({b: {m: round(t["pass_at_1"], 4) for m, t in e["modes"].items()}
                       for b, e in summary["benchmarks"].items()}), flush=True)
     return summary

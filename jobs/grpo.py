@@ -16,17 +16,19 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from osvl.config import dump, parse_args  # noqa: E402
-from osvl.rl.trainer import JOB, GRPOConfig, run  # noqa: E402
+from osvl.logs import start_job  # noqa: E402
+from osvl.rl.job import JOB, GRPOConfig, run  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
-    cfg = parse_args(GRPOConfig, JOB, [a for a in args if not a.startswith(SUB_JOBS)])
-    cfg = sub_job_overrides(cfg, [a for a in args if a.startswith(SUB_JOBS)])
-    cfg.rollout.check()  # before the sub-jobs, which may run for an hour
-    print(dump(cfg), flush=True)
-    s = run(cfg, log=lambda msg: print(msg, flush=True))
+    def finish(cfg: GRPOConfig) -> GRPOConfig:
+        cfg = sub_job_overrides(cfg, [a for a in args if a.startswith(SUB_JOBS)])
+        cfg.rollout.check()  # before the sub-jobs, which may run for an hour
+        return cfg
+
+    cfg = start_job(GRPOConfig, JOB, [a for a in args if not a.startswith(SUB_JOBS)], finish)
+    s = run(cfg)
     # `make demo` runs this job; its last line says whether the whole chain ran (the test greps it)
     label = "demo" if not any(a.startswith("--profile=") and a != "--profile=demo" for a in args) else "grpo"
     evals = cfg.eval.n_heldout == 0 or (s["pass1_sft"] is not None and s["pass1_grpo"] is not None)

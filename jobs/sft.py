@@ -17,14 +17,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from osvl.config import dump, parse_args  # noqa: E402
+from osvl.logs import start_job  # noqa: E402
 from osvl.train.sft import JOB, SftConfig, run  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> dict:
-    cfg = parse_args(SftConfig, JOB, argv)
-    print(dump(cfg), flush=True)
-    report = run(cfg, log=lambda msg: print(msg, flush=True))
+    cfg = start_job(SftConfig, JOB, argv)
+    report = run(cfg)
     print(json.dumps({k: v for k, v in report.items() if k != "config"}), flush=True)
     return report
 

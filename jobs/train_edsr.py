@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import logging
 import math
 import shutil
 import sys
@@ -31,8 +32,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from osvl.config import RunConfig, dump, input_path, opt, parse_args, run_dir  # noqa: E402
+from osvl.config import RunConfig, input_path, opt, run_dir  # noqa: E402
 from osvl.errors import ConfigError, DataError  # noqa: E402
+from osvl.logs import setup, start_job  # noqa: E402
+
+log = logging.getLogger("train_edsr")
 
 JOB = "train_edsr"
 IMAGE_EXTS = (".jpg", ".jpeg", ".png", ".webp")
@@ -144,6 +148,7 @@ def train_loop(config: dict) -> None:
 
     from osvl.tools.super_resolution import build_model, evaluate, save_checkpoint
 
+    setup()  # a Ray worker process: its root logger is not configured yet
     cfg: TrainEdsrConfig = config["cfg"]  # the object itself: this script's classes travel by value
     torch.set_num_threads(cfg.threads_per_worker)
     ctx = ray.train.get_context()
@@ -165,7 +170,7 @@ def train_loop(config: dict) -> None:
         optim.load_state_dict(state["optim"])
         sched.load_state_dict(state["sched"])
         start = state["step"]
-        print(f"resumed at step {start}", flush=True)
+        log.info(f"resumed at step {start}")
     train, holdout = load_photos(cfg.data)
     hold = {f"holdout_{i}": im[:256, :256] for i, im in enumerate(holdout)}
     t0 = time.time()
@@ -197,12 +202,11 @@ def train_loop(config: dict) -> None:
             save_checkpoint(net, Path(d) / "edsr.pth", extra={"steps": done, **{k: metrics[k] for k in (
                 "val_psnr_edsr", "val_psnr_bicubic")}})
             ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(d))
-        print(json.dumps(metrics), flush=True)
+        log.info(json.dumps(metrics))
 
 
 def main(argv: list[str] | None = None) -> dict:
-    cfg = parse_args(TrainEdsrConfig, JOB, argv)
-    print(dump(cfg), flush=True)
+    cfg = start_job(TrainEdsrConfig, JOB, argv)
     photo_paths(cfg.data)  # fail on bad folders before a cluster starts
     out = run_dir(cfg, JOB)
 

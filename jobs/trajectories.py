@@ -14,14 +14,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from osvl.config import dump, parse_args  # noqa: E402
+from osvl.logs import start_job  # noqa: E402
 from osvl.synth.expert import JOB, TrajConfig, run  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> None:
-    cfg = parse_args(TrajConfig, JOB, argv)
-    print(dump(cfg), flush=True)
-    run(cfg, log=lambda msg: print(msg, flush=True))
+    cfg = start_job(TrajConfig, JOB, argv)
+    run(cfg)
 
 
 if __name__ == "__main__":

@@ -53,11 +53,15 @@ def worker_env(api_server: str | None) -> dict[str, str]:
     listens there) or, worse, asks another cluster's head, which does not know our
     controller, so the cleaner would take it for dead and remove the run's placement group.
 
+    ``OSVL_LOG_LEVEL``: the driver's ``--log_level`` (``osvl.logs``).
+
     ``RAY_TRAIN_ENABLE_PRINT_PATCH=0``: Ray Train v2 reroutes ``print`` in train workers to
     the root logger, whose console handler writes the line, and, since Ray wraps
     ``sys.stdout`` in every worker, also calls the original ``print``: each line twice.
     """
     env = {"RAY_TRAIN_ENABLE_PRINT_PATCH": "0"}
+    if os.environ.get("OSVL_LOG_LEVEL"):  # the job's --log_level, for osvl.logs.setup in the workers
+        env["OSVL_LOG_LEVEL"] = os.environ["OSVL_LOG_LEVEL"]
     if api_server:
         env["RAY_API_SERVER_ADDRESS"] = api_server
     return env

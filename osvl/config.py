@@ -334,7 +334,8 @@ def format_help(cls: type, job: str = "", prefix: str = "", defaults: Any = None
     """
     lines = []
     if not prefix:
-        lines.append(f"usage: python jobs/{job}.py [--profile=NAME|FILE.yaml] [--section.key=value ...]")
+        lines.append(f"usage: python jobs/{job}.py [--profile=NAME|FILE.yaml] "
+                     "[--log_level=debug|info|warning|error] [--section.key=value ...]")
         profiles = sorted(x.stem for x in (CONFIG_DIR / job).glob("*.yaml")) if job else []
         if profiles:
             lines.append(f"profiles: {', '.join(profiles)} (default: demo)")
@@ -417,6 +418,14 @@ def parse_args(cls: type[T], job: str, argv: list[str] | None = None,
     for key, value in overrides:
         cfg = apply_override(cfg, key, value)
     return cfg
+
+
+def upstream_config(cls: type[T], job: str, run: RunConfig, overrides: dict[str, Any] | None = None) -> T:
+    """The config of a job another one builds on (or reuses): its demo profile, the downstream run's root and
+    seed, then ``overrides``. Every "build or reuse the upstream job" goes through here, so an identical
+    request lands in the same run folder (``run_dir``) and is reused there."""
+    cfg = parse_args(cls, job, [f"--run.root={run.root}", f"--run.seed={run.seed}"])
+    return merge(cfg, overrides or {})
 
 
 def dump(cfg: Any) -> str:

@@ -90,3 +90,59 @@ def pass_at_1_bars(scores: dict[str, dict[str, float]], path: str | Path, title:
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def training_curves(log_file: str | Path, panels: list[tuple[str, list[str]]], out: str | Path,
+                    title: str = "") -> Path:
+    """Training curves from a step log (JSON lines with a ``step`` key) into ``out``: one panel per
+    ``(title, keys)``, one line per key, step on x.
+
+    A step logged twice (a resumed run repeats the steps after its last checkpoint) counts once, the
+    later line. Keys no row has leave their panel saying "no data". The PNG is written beside ``out``
+    and renamed into place, so a reader (or an upload) never sees half of one.
+    """
+    import json
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    by_step: dict[int, dict] = {}
+    for line in Path(log_file).read_text().splitlines():
+        row = json.loads(line) if line.strip() else {}
+        if "step" in row:
+            by_step[int(row["step"])] = row
+    rows = [by_step[k] for k in sorted(by_step)]
+    columns = min(3, len(panels))
+    nrows = math.ceil(len(panels) / columns)
+    fig, axes = plt.subplots(nrows, columns, figsize=(4.2 * columns, 2.8 * nrows), squeeze=False)
+    for ax, (name, keys) in zip(axes.flat, panels, strict=False):
+        ax.set_title(name, fontsize=9)
+        ax.tick_params(labelsize=7)
+        drawn = False
+        for key in keys:
+            pts = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), int | float)
+                   and not isinstance(r.get(key), bool) and math.isfinite(r[key])]
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], lw=1.2, marker="." if len(pts) < 30 else None,
+                        label=key)
+                drawn = True
+        if not drawn:
+            ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes, color="grey")
+            continue
+        ax.set_xlabel("step", fontsize=7)
+        ax.grid(alpha=0.3)
+        if len(keys) > 1:
+            ax.legend(fontsize=7, frameon=False)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.axis("off")
+    if title:
+        fig.suptitle(title, fontsize=11)
+    fig.tight_layout()
+    from osvl.storage import atomic
+
+    with atomic(out) as tmp:
+        fig.savefig(tmp, dpi=90, format="png")
+    plt.close(fig)
+    return Path(out)

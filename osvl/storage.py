@@ -26,9 +26,12 @@ is written.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import os
+import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
@@ -136,6 +139,41 @@ def mirror_dir(uri: str) -> Path:
     return base / hashlib.sha256(parent.encode()).hexdigest()[:16] / name
 
 
+@contextlib.contextmanager
+def atomic(path: str | Path) -> Iterator[Path]:
+    """``with atomic(path) as tmp: write tmp``: renamed onto ``path`` when the block ends, removed if it fails.
+
+    Every file a reader, a resumed run or another node may find half-written goes through here: the
+    rename is atomic on POSIX, so ``path`` holds the old content or the new, never part of it. The
+    temporary name is unique per writer (writers on one node race for content-addressed files) and
+    ends in ``.tmp``, which ``publish`` never uploads.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:12]}.tmp")
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def atomic_write(path: str | Path, data: bytes | str) -> None:
+    """Write ``data`` (text as UTF-8) to ``path`` atomically (``atomic``)."""
+    with atomic(path) as tmp:
+        tmp.write_bytes(data.encode() if isinstance(data, str) else data)
+
+
+def write_once(path: str | Path, data: bytes) -> bool:
+    """A content-addressed store's put: ``path`` is named by a hash of ``data``, so an existing file already
+    holds it; otherwise written atomically. Returns whether it wrote."""
+    if Path(path).exists():
+        return False
+    atomic_write(path, data)
+    return True
+
+
 def _synced(local: Path) -> dict[str, list[int]]:
     """The mirror's record of each file as it was at its last pull or publish: ``rel -> [size, mtime_ns]``."""
     import json
@@ -148,9 +186,7 @@ def _save_synced(local: Path, synced: dict[str, list[int]]) -> None:
     """Atomically: actors on one node share a mirror (a lost entry only costs a re-upload)."""
     import json
 
-    tmp = local / f"{SYNCED}.{os.getpid()}.tmp"
-    tmp.write_text(json.dumps(synced))
-    os.replace(tmp, local / SYNCED)
+    atomic_write(local / SYNCED, json.dumps(synced))
 
 
 def _stat(f: Path) -> list[int]:

@@ -32,6 +32,7 @@ import binascii
 import dataclasses
 import hashlib
 import json
+import logging
 import os
 import re
 import sys
@@ -258,18 +259,22 @@ def main(argv: list[str] | None = None) -> None:
     """``python -m serve.agent_app [--port=N] [--<AgentServeConfig field>=value ...]``: serve until Ctrl-C."""
     from osvl.cluster import init_ray, start_serve
     from osvl.config import apply_override
+    from osvl.logs import setup
 
     port, cfg = 0, AgentServeConfig()
     for arg in list(sys.argv[1:] if argv is None else argv):
         key, _, value = arg.removeprefix("--").partition("=")
         if key == "port":
             port = int(value)
+        elif key == "log_level":
+            setup(value)
         else:
             cfg = apply_override(cfg, key, value)
+    setup()  # info unless --log_level chose (or $OSVL_LOG_LEVEL)
     init_ray()
     port = start_serve(port or None)
     serve.run(make_agent_app(cfg), name=AGENT_APP, route_prefix="/")
-    print(f"osvl agent on http://127.0.0.1:{port}/v1 (model {cfg.name!r})", flush=True)
+    logging.getLogger("serve.agent_app").info(f"osvl agent on http://127.0.0.1:{port}/v1 (model {cfg.name!r})")
     serve_until_interrupted()
 
 

@@ -51,6 +51,7 @@ import dataclasses
 import hashlib
 import hmac
 import json
+import logging
 import os
 import sys
 import threading
@@ -677,6 +678,7 @@ def main(argv: list[str] | None = None) -> None:
     """
     from osvl.cluster import init_ray, start_serve
     from osvl.config import apply_override, load_yaml, merge
+    from osvl.logs import setup
     from osvl.tools.registry import all_tools
 
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -685,6 +687,8 @@ def main(argv: list[str] | None = None) -> None:
         key, _, value = arg.removeprefix("--").partition("=")
         if key == "port":
             port = int(value)
+        elif key == "log_level":
+            setup(value)
         elif key == "config":
             app_cfg = load_yaml(value)["applications"][0]
             cfg = merge(cfg, app_cfg.get("args") or {})
@@ -692,13 +696,14 @@ def main(argv: list[str] | None = None) -> None:
                            for d in app_cfg.get("deployments") or []}
         else:
             cfg = apply_override(cfg, key, value)
+    setup()  # info unless --log_level chose (or $OSVL_LOG_LEVEL)
     tools = all_tools()
     names = set(cfg.tools or tools)  # a subset run keeps only its own deployments' options
     deployments = {k: v for k, v in deployments.items() if k == "api" or k.removeprefix(DEPLOYMENT_PREFIX) in names}
     init_ray()
     port = start_serve(port or None)
     serve.run(make_app(tools, cfg, deployments), name=APP_NAME, route_prefix="/")
-    print(f"osvl tool API on http://127.0.0.1:{port} (OpenAPI: /docs, /openapi.json)", flush=True)
+    logging.getLogger("serve.app").info(f"osvl tool API on http://127.0.0.1:{port} (OpenAPI: /docs, /openapi.json)")
     serve_until_interrupted()
 
 

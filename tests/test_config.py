@@ -430,7 +430,7 @@ def test_yaml_profile_errors(tmp_path):
 
 
 HELP = """\
-usage: python jobs/toy.py [--profile=NAME|FILE.yaml] [--section.key=value ...]
+usage: python jobs/toy.py [--profile=NAME|FILE.yaml] [--log_level=debug|info|warning|error] [--section.key=value ...]
 profiles: demo, production (default: demo)
 
 [run] Run root and seed.
@@ -500,8 +500,8 @@ def test_help_lists_every_field(configs_dir, capsys, flag):
 
 def test_help_without_profiles_or_job(configs_dir):
     text = format_help(RunConfig, "nojob")
-    assert text.startswith("usage: python jobs/nojob.py [--profile=NAME|FILE.yaml] [--section.key=value ...]\n\n"
-                           "  --root=")
+    assert text.startswith("usage: python jobs/nojob.py [--profile=NAME|FILE.yaml] "
+                           "[--log_level=debug|info|warning|error] [--section.key=value ...]\n\n  --root=")
     assert format_help(RunConfig).startswith("usage: python jobs/.py [--profile")
     assert "profiles:" not in format_help(Job)
     shown = format_help(Model, prefix="m.", defaults=Model(hidden=5))
@@ -563,3 +563,13 @@ def test_input_paths_name_the_shared_data_folder_through_the_environment(monkeyp
     assert C.input_path("$OSVL_SHARED_DATA") == (C.REPO_ROOT.parent / "shared" / "data").resolve()
     for path in list(C.CONFIG_DIR.rglob("*.yaml")) + list((C.REPO_ROOT / "jobs").glob("*.py")):
         assert "../shared" not in path.read_text(), path
+
+
+def test_upstream_config_is_the_demo_profile_with_the_downstream_run_and_overrides(tmp_path):
+    """What a job builds on (or reuses): the same folder as `jobs/<upstream>.py --run.root=R --run.seed=S ...`."""
+    from osvl.config import upstream_config
+    from osvl.synth.pipeline import JOB, SynthConfig
+
+    got = upstream_config(SynthConfig, JOB, RunConfig(root=str(tmp_path), seed=3, name="ignored"), {"num_shards": 5})
+    want = C.parse_args(SynthConfig, JOB, [f"--run.root={tmp_path}", "--run.seed=3", "--num_shards=5"])
+    assert got == want and C.config_hash(got) == C.config_hash(want) and got.run.name == ""

@@ -174,7 +174,7 @@ def test_rayjob_entrypoint_parses_as_the_grpo_job_with_storage_on_a_uri():
     import shlex
 
     from osvl.config import parse_args
-    from osvl.rl.trainer import JOB, GRPOConfig
+    from osvl.rl.job import JOB, GRPOConfig
 
     doc = MANIFESTS["rayjob-grpo.yaml"]
     argv = shlex.split(doc["spec"]["entrypoint"])

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -183,6 +184,42 @@ def test_a_killed_eval_resumes_without_redoing_finished_items(tmp_path, question
     ids = [json.loads(x)["id"] for x in items.read_text().splitlines()]
     assert len(ids) == n and len(set(ids)) == n and ids[:len(first)] == first
     assert f"{len(first)} items already scored" in done.stdout
+    # not a terminal (a pipe, as in a Ray job log): plain progress lines, no bar
+    left = n - len(first)
+    assert f"osvl.logs: eval: {left}/{left} items (100%)" in done.stdout and "\r" not in done.stdout + done.stderr
+
+
+@pytest.mark.slow
+def test_eval_in_a_terminal_draws_a_progress_bar(tmp_path, questions):
+    """The job under a pseudo-terminal: tqdm redraws one bar with carriage returns instead of logging lines."""
+    import fcntl
+    import pty
+    import struct
+    import termios
+
+    cmd = [sys.executable, str(REPO / "jobs" / "eval.py"), f"--run.root={tmp_path / 'runs'}",
+           f"--benchmarks={questions / 'sft.parquet'}", "--modes=agentic", "--model=oracle", "--max_items=4",
+           "--inflight=1", "--dense_rerank=false", "--agent.max_turns=16", "--agent.max_new_tokens=512",
+           "--agent.max_episode_tokens=8192"]
+    main, child = pty.openpty()
+    fcntl.ioctl(child, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))  # 24x100: a terminal has a size
+    proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONPATH": str(REPO)}, stdin=child, stdout=child, stderr=child,
+                            start_new_session=True)
+    os.close(child)
+    out = b""
+    while True:
+        try:
+            chunk = os.read(main, 65536)
+        except OSError:  # EIO: every holder of the terminal's other end has exited
+            break
+        if not chunk:
+            break
+        out += chunk
+    os.close(main)
+    assert proc.wait(timeout=60) == 0, out[-3000:].decode(errors="replace")
+    text = out.decode(errors="replace")
+    assert re.search(r"\reval: +\d+%\|.*\| 4/4 ", text), text[-3000:]
+    assert "osvl.logs: eval:" not in text  # no plain progress lines beside the bar
 
 
 def test_rule_judge_matches_scripts_without_spaces_per_character():

@@ -115,6 +115,12 @@ def test_killed_rollout_actor_groups_are_reissued_and_accounted_once(questions_d
         assert v["state"] in ("consumed", "dropped"), (g, v)
         assert v["state"] != "dropped" or v["reason"], (g, v)
     assert len(ledger) == 6  # 3 steps x 2 groups, none issued twice under another id
+    # the last step is a checkpoint: the training curves (reward parts, fatal rate, clamp split, KL,
+    # entropy) are drawn into the run folder
+    from PIL import Image
+
+    with Image.open(tmp_path / "curves.png") as im:
+        assert im.format == "PNG" and im.width > 600 and im.height > 400
     for g in reissued:
         assert ledger[g]["attempt"] >= 1 and ledger[g]["actor"].startswith("rollout0~"), (g, ledger[g])
 

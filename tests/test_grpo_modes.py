@@ -9,6 +9,8 @@ fatal trajectory's negative advantage into 0 while a positive one is kept.
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -151,15 +153,19 @@ def test_hard_mask_parameter_gradient_ignores_the_fatal_rows(model_and_batch):
 
 def test_non_finite_step_is_skipped_and_bounds_stop_the_run(model_and_batch):
     """A NaN reward makes the loss NaN: the step is skipped and counted, the weights are untouched.
-    Entropy outside its bound stops the run with TrainingDiverged naming the knob."""
+    Entropy outside its bound stops the run with TrainingDiverged naming the knob. The learner runs
+    DeepSpeed ZeRO-2 on one rank, as a one-worker job does, on copies of the shared model (the engine
+    hooks its parameters)."""
     from osvl.errors import TrainingDiverged
-    from osvl.rl.learner import Learner
+    from osvl.rl.learner import Learner, make_engine
 
-    model, batch = model_and_batch
+    shared, batch = model_and_batch
     with torch.no_grad():
-        logp, _ = forward_logprobs(model, batch)
+        logp, _ = forward_logprobs(shared, batch)
     b = dict(batch, old_logprobs=logp)
-    learner = Learner(model, RLConfig(beta=0.0, lr=1e-3))
+    cfg = RLConfig(beta=0.0, lr=1e-3)
+    learner = Learner(make_engine(copy.deepcopy(shared), cfg), cfg)
+    model = learner.model
     before = [p.detach().clone() for p in model.parameters()]
     res = learner.step(dict(b, reward=torch.tensor([float("nan")] + [0.5] * 7)))
     assert res.skipped and learner.skipped == 1 and learner.step_count == 0
@@ -167,11 +173,9 @@ def test_non_finite_step_is_skipped_and_bounds_stop_the_run(model_and_batch):
     res = learner.step(b)
     assert not res.skipped and learner.step_count == 1 and res.entropy > 0
     assert any(not torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))
+    bounded = RLConfig(beta=0.0, lr=0.0, entropy_max=res.entropy / 2)
     with pytest.raises(TrainingDiverged, match="entropy_max"):
-        Learner(model, RLConfig(beta=0.0, lr=0.0, entropy_max=res.entropy / 2)).step(b)
-    with torch.no_grad():  # leave the shared model as the other tests found it
-        for p, q in zip(model.parameters(), before, strict=True):
-            p.copy_(q)
+        Learner(make_engine(copy.deepcopy(shared), bounded), bounded).step(b)
 
 
 def test_learner_scores_at_the_sampling_temperature(model_and_batch):
@@ -179,19 +183,14 @@ def test_learner_scores_at_the_sampling_temperature(model_and_batch):
     learner's ratio must be exactly 1 (no clipping), which holds only when it divides its logits
     by the same T. At T=1 against T=0.3 behaviour log-probs (the random tiny model is nearly uniform,
     so a low T makes the gap visible), a share of the tokens is clipped."""
-    from osvl.rl.learner import Learner
+    from osvl.rl.learner import Learner, make_engine
 
-    model, batch = model_and_batch
+    shared, batch = model_and_batch
     with torch.no_grad():
-        behaviour, _ = forward_logprobs(model, batch, temperature=0.3)
+        behaviour, _ = forward_logprobs(shared, batch, temperature=0.3)
     b = dict(batch, old_logprobs=behaviour)
-    before = [p.detach().clone() for p in model.parameters()]
-    try:
-        matched = Learner(model, RLConfig(beta=0.0, lr=0.0), temperature=0.3).step(b)
-        assert matched.clip_fraction == 0.0
-        mismatched = Learner(model, RLConfig(beta=0.0, lr=0.0)).step(b)
-        assert mismatched.clip_fraction > 0.05
-    finally:
-        with torch.no_grad():  # lr 0 leaves the weights alone, but restore them in any case
-            for p, q in zip(model.parameters(), before, strict=True):
-                p.copy_(q)
+    cfg = RLConfig(beta=0.0, lr=0.0)
+    matched = Learner(make_engine(copy.deepcopy(shared), cfg), cfg, temperature=0.3).step(b)
+    assert matched.clip_fraction == 0.0
+    mismatched = Learner(make_engine(copy.deepcopy(shared), cfg), cfg).step(b)
+    assert mismatched.clip_fraction > 0.05

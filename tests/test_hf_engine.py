@@ -251,3 +251,12 @@ def test_ask_job_prints_the_trajectory(capsys, tmp_path):
     (traj,) = read_trajectories(tmp_path)
     assert f"stop reason: {traj.stop_reason}" in out and traj.kind == "policy"
     assert traj.budgets["temperature"] == 0.0  # the demo profile answers greedily
+
+
+def test_other_model_types_are_refused_with_the_engine_that_runs_them(tmp_path):
+    """One generation path: the engine's own cached loop, for the model types whose positions it computes."""
+    from osvl.agent.engines.hf import HFEngine
+
+    (tmp_path / "config.json").write_text('{"model_type": "qwen2_5_vl"}')
+    with pytest.raises(ConfigError, match=r"'qwen2_5_vl': use the vLLM engine \(--engine vllm\)"):
+        HFEngine(tmp_path)

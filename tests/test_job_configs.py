@@ -14,8 +14,8 @@ from osvl.agent.loop import AgentConfig
 from osvl.agent.reward import RewardConfig
 from osvl.config import parse_args
 from osvl.errors import ConfigError
+from osvl.rl.job import JOB, GRPOConfig
 from osvl.rl.rollout import RolloutConfig
-from osvl.rl.trainer import JOB, GRPOConfig
 from osvl.synth.expert import TrajConfig
 
 REPO = Path(__file__).resolve().parents[1]

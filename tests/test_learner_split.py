@@ -2,7 +2,8 @@
 
 Two real DeepSpeed (ZeRO-2, gloo) workers in their own processes take their shares of a step
 through ``rank_share`` / ``rl_batch`` / ``Learner.step``, exactly as ``train_loop`` does; the
-one-worker reference is the plain ``Learner`` on the whole step. Both use SGD with lr 1 and no
+one-worker reference is a one-rank DeepSpeed ``Learner`` (what a one-worker job runs) on the whole step,
+in the test process. Both use SGD with lr 1 and no
 clipping, so the parameter change *is* the (all-reduced) gradient. The cases are the ones that
 used to hang or mis-weight: a step with fewer groups than workers (one rank has nothing, so it
 trains a stand-in with weight 0), groups of unequal lengths, and a rank whose rows are all
@@ -21,7 +22,8 @@ import pytest
 import torch
 
 from osvl.agent.trajectory import Trajectory
-from osvl.rl.learner import Learner, RLConfig, forward_logprobs, rank_share, rl_batch
+from osvl.rl.learner import Learner, RLConfig, forward_logprobs, make_engine
+from osvl.rl.learner_loop import rank_share, rl_batch
 
 pytestmark = pytest.mark.slow  # ~40 s on 2 shared cores: two DeepSpeed workers, three steps each
 
@@ -88,8 +90,6 @@ def _worker(rank: int, port: int, case_file: str, out_file: str) -> None:
 
     from osvl.models.load import load_model, load_processor
     from osvl.models.tiny import tiny_checkpoint
-    from osvl.rl.learner import warmup_schedule
-    from osvl.train.deepspeed import ds_config, init_engine
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(WORLD),
                       LOCAL_RANK=str(rank))
@@ -103,10 +103,9 @@ def _worker(rank: int, port: int, case_file: str, out_file: str) -> None:
         model = load_model(path, dtype="float32")
         before = {k: v.detach().clone() for k, v in model.named_parameters()}
         opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=cfg.lr)
-        engine = init_engine(model, opt, warmup_schedule(opt, 0),
-                             ds_config(2, micro_batch=1, grad_accum=1, world_size=WORLD, grad_clip=0.0))
+        engine = make_engine(model, cfg, world=WORLD, optimizer=opt)
         mine, live = rank_share(groups, rank, WORLD, cfg)
-        res = Learner(engine.module, cfg, engine=engine).step(rl_batch(mine, "", processor, cfg), live=live)
+        res = Learner(engine, cfg).step(rl_batch(mine, "", processor, cfg), live=live)
         out.append((live, res.loss, _deltas(before, engine.module)))
     if rank == 0:
         torch.save(out, out_file)
@@ -143,7 +142,8 @@ def test_any_split_of_a_step_trains_the_one_worker_gradient(tmp_path):
     for (name, cfg, groups), (_, loss, deltas) in zip(cases, split, strict=True):
         model = load_model(path, dtype="float32")
         before = {k: v.detach().clone() for k, v in model.named_parameters()}
-        learner = Learner(model, cfg, optimizer=torch.optim.SGD(model.parameters(), lr=cfg.lr))
+        engine = make_engine(model, cfg, optimizer=torch.optim.SGD(model.parameters(), lr=cfg.lr))
+        learner = Learner(engine, cfg)
         ref = learner.step(rl_batch(groups, "", processor, cfg))
         want = _deltas(before, model)
         assert abs(loss - ref.loss) < 1e-5, name

@@ -175,7 +175,7 @@ def test_grpo_job_on_a_multinode_cluster_with_s3_storage(multinode_cluster, s3_s
     assert all(v["state"] == "consumed" or (v["state"] == "dropped" and v["reason"]) for v in ledger.values())
     assert summary["restarts"], "the rollout actor on the killed node was not replaced"
     # the driver's live step table shows every step, although learner rank 0 wrote the rows on another node
-    from osvl.rl.trainer import format_row
+    from osvl.rl.report import format_row
 
     assert all(format_row(r) in out for r in rows), "the live step table misses steps"
 

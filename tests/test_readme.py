@@ -60,6 +60,9 @@ def test_every_readme_command_runs(tmp_path):
                     assert "demo: OK" in out.stdout
                 if "ray job submit" in command:
                     assert "succeeded" in out.stdout + out.stderr
+                    # a job log is no terminal: plain progress lines (osvl/logs.py) instead of a bar
+                    done = re.search(r"osvl\.logs: synthesize: (\d+)/\1 shards \(100%\)", out.stdout)
+                    assert done, out.stdout[-3000:]
         finally:
             if cleanup and cleanup not in ran:
                 subprocess.run(["bash", "-c", cleanup], cwd=REPO, env=env, capture_output=True, timeout=120)

@@ -16,7 +16,9 @@ import pytest
 import torch
 
 from osvl.config import parse_args
-from osvl.train.sft import JOB, SftConfig, is_val, loss_curve, lr_lambda, run
+from osvl.train.sft import JOB, SftConfig, loss_curve, run
+from osvl.train.sft_data import is_val
+from osvl.train.sft_loop import lr_lambda
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -109,6 +111,12 @@ def test_zero3_matches_zero2_and_the_hf_dir_generates(trajectories, zero2_run, t
     for s in l2:
         assert abs(l2[s]["loss"] - l3[s]["loss"]) < 1e-3, (s, l2[s]["loss"], l3[s]["loss"])
     assert l2[7]["loss"] < l2[1]["loss"]
+    # the training curves (loss, validation loss, lr, gradient norm) are a PNG in the run folder
+    from PIL import Image
+
+    (png,) = tmp_path.glob("sft/*/curves.png")
+    with Image.open(png) as im:
+        assert im.format == "PNG" and im.width > 600 and im.height > 200
     # the ZeRO-3 run's exported directory is an ordinary checkpoint that loads and generates
     model, processor = load_model(report["model"]), load_processor(report["model"])
     ids = processor.tokenizer("<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\n",

@@ -41,6 +41,7 @@ import numpy as np
 from osvl import chat as fmt
 from osvl.agent.trajectory import Trajectory, TrajectoryBuilder, Turn, image_hash
 from osvl.errors import DataError, ParseError
+from osvl.storage import atomic
 
 IMAGE_TAG = "<image>"
 _ERROR = re.compile(r"^Error \((\w+)\): ")
@@ -56,12 +57,9 @@ def _copy_image(src: Path, out_dir: Path) -> str:
 
 
 def _write_jsonl(path: Path, records: Iterable[dict[str, Any]]) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    with tmp.open("w") as f:
+    with atomic(path) as tmp, tmp.open("w") as f:
         for r in records:
             f.write(json.dumps(r, ensure_ascii=False) + "\n")
-    tmp.replace(path)
     return path
 
 

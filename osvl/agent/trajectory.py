@@ -22,7 +22,6 @@ import hashlib
 import io
 import json
 import os
-import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,6 +31,7 @@ import numpy as np
 
 from osvl.chat import IMAGE_PAD
 from osvl.errors import DataError
+from osvl.storage import atomic_write, write_once
 
 KINDS = ("policy", "teacher", "imported")
 STOP_REASONS = ("response", "max_turns", "max_tokens", "fatal", "context_overflow")
@@ -199,13 +199,6 @@ def load_image(image_dir: str | Path, sha: str) -> np.ndarray:
         return np.asarray(img.convert("RGB"))
 
 
-def _atomic_write(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)
-
-
 def write_trajectories(out_dir: str | Path, trajs: Sequence[Trajectory], images: Mapping[str, np.ndarray]) -> Path:
     """Append ``trajs`` as a new numbered part of ``out_dir/trajectories.parquet`` and store new images once.
 
@@ -227,7 +220,7 @@ def write_trajectories(out_dir: str | Path, trajs: Sequence[Trajectory], images:
                 continue
             if sha not in images:
                 raise DataError(f"trajectory {t.id} names image {sha} but it was not given to write_trajectories")
-            _atomic_write(path, png_bytes(images[sha]))
+            write_once(path, png_bytes(images[sha]))
     table = pa.Table.from_pylist([_to_row(t) for t in trajs], schema=_schema())
     while True:  # numbered parts; exclusive create settles races between writers
         n = len(list(table_dir.glob("part-*.parquet")))
@@ -240,7 +233,7 @@ def write_trajectories(out_dir: str | Path, trajs: Sequence[Trajectory], images:
         break
     sink = pa.BufferOutputStream()
     pq.write_table(table, sink)
-    _atomic_write(part, sink.getvalue().to_pybytes())
+    atomic_write(part, sink.getvalue().to_pybytes())
     return part
 
 

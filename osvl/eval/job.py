@@ -25,8 +25,10 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,6 +38,9 @@ from osvl.agent.loop import AgentConfig
 from osvl.config import RunConfig, from_dict, opt, to_dict
 from osvl.endpoint import EndpointConfig
 from osvl.errors import ConfigError, DataError
+from osvl.logs import Progress
+
+logger = logging.getLogger(__name__)
 
 JOB = "eval"
 ITEMS = "items.jsonl"
@@ -239,7 +244,7 @@ def _key(rec: dict[str, Any]) -> tuple[str, str, str]:
     return rec["benchmark"], rec["mode"], rec["id"]
 
 
-def run(cfg: EvalConfig, log: Any = print) -> dict[str, Any]:
+def run(cfg: EvalConfig, log: Callable[[str], None] = logger.info) -> dict[str, Any]:
     """The whole job; returns the summary (also written as summary.json)."""
     import ray
 
@@ -287,7 +292,7 @@ def run(cfg: EvalConfig, log: Any = print) -> dict[str, Any]:
         pending: dict[Any, int] = {}
         nxt = 0
         finished = 0
-        with items_file.open("a", encoding="utf-8") as f:
+        with items_file.open("a", encoding="utf-8") as f, Progress(len(todo), "eval", "items") as bar:
             while nxt < len(chunks) or pending:
                 while nxt < len(chunks) and len(pending) < 2 * len(actors):
                     pending[actors[nxt % len(actors)].run.remote(chunks[nxt])] = nxt
@@ -299,9 +304,9 @@ def run(cfg: EvalConfig, log: Any = print) -> dict[str, Any]:
                         f.write(json.dumps(rec, ensure_ascii=False) + "\n")
                         record_eval_item(metrics, *_key(rec)[:2], bool(rec["correct"]))
                         finished += 1
+                        bar.update(1)
                     f.flush()
                     storage.publish(out, ITEMS)  # scored items survive losing this node: a rerun resumes
-                log(f"eval: {finished}/{len(todo)} items scored ({time.perf_counter() - t0:.0f} s)")
         for a in actors:
             ray.kill(a)
     records = read_items(items_file)

@@ -39,7 +39,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import os
+import logging
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -55,6 +55,10 @@ from osvl.errors import ConfigError, DataError
 from osvl.kg import wikidata
 from osvl.kg.mediawiki import iter_page_fields, page_from_fields, parse_page
 from osvl.kg.schema import fold, write_kg
+from osvl.logs import Progress
+from osvl.storage import atomic, atomic_write
+
+logger = logging.getLogger(__name__)
 
 JOB = "build_kg"
 SAMPLE_INPUT = "$OSVL_SHARED_DATA/mediawiki/enwiki-pages-articles-sample.xml.bz2"
@@ -172,9 +176,8 @@ def write_shard(path: Path, rows: list[dict[str, Any]], stats: dict[str, Any]) -
     """Atomic: a reader (or a resumed run) sees the whole shard or none of it."""
     table = pa.Table.from_pylist(rows, schema=SHARD_SCHEMA)
     table = table.replace_schema_metadata({STATS_KEY: json.dumps(stats).encode()})
-    tmp = path.with_suffix(".parquet.tmp")
-    pq.write_table(table, tmp, compression="zstd")
-    os.replace(tmp, path)
+    with atomic(path) as tmp:
+        pq.write_table(table, tmp, compression="zstd")
 
 
 def read_stats(path: Path) -> dict[str, Any]:
@@ -240,21 +243,24 @@ def parse_dump(path: Path, shard_dir: Path, shard_pages: int, workers: int, log:
         log(f"build_kg: {len(done)} shards already written in {shard_dir}; they are skipped")
     parsed, t0 = 0, time.perf_counter()
     pending: Future | None = None
-    with ThreadPoolExecutor(max_workers=1) as pool:  # one wave runs while the driver reads the next
-        for items, streamed in iter_waves(path, shard_pages, workers, done):
+    # the stream's length is unknown until its end: the bar counts shards
+    with ThreadPoolExecutor(max_workers=1) as pool, Progress(None, "build_kg", "shards", initial=len(done)) as bar:
+        for items, streamed in iter_waves(path, shard_pages, workers, done):  # one wave runs while the next is read
             if pending is not None:
-                parsed += _report(pending.result(), log, t0)
+                parsed += _report(pending.result(), log, t0, bar)
             log(f"build_kg: read {streamed} pages; parsing shards {items[0]['shard']}..{items[-1]['shard']}")
             pending = pool.submit(run_wave, items, shard_dir)
         if pending is not None:
-            parsed += _report(pending.result(), log, t0)
+            parsed += _report(pending.result(), log, t0, bar)
     return parsed
 
 
-def _report(results: list[tuple[int, dict[str, Any]]], log: Callable[[str], None], t0: float) -> int:
+def _report(results: list[tuple[int, dict[str, Any]]], log: Callable[[str], None], t0: float,
+            bar: Progress) -> int:
     for k, s in sorted(results):
         log(f"  shard {k:6d}: {s['pages']} pages, {s['articles']} articles, {s['redirects']} redirects, "
             f"{s['bad']} bad, {s['seconds']} s (t={time.perf_counter() - t0:.1f} s)")
+    bar.update(len(results), pages=sum(s["pages"] for _, s in results))
     return len(results)
 
 
@@ -310,12 +316,10 @@ def _copy_out(kg_dir: Path, out_dir: str) -> None:
         (dest / "images").mkdir(exist_ok=True)
         names += [f"images/{p.name}" for p in sorted((kg_dir / "images").iterdir())]
     for name in names:
-        tmp = dest / f"{name}.tmp"
-        tmp.write_bytes((kg_dir / name).read_bytes())
-        os.replace(tmp, dest / name)
+        atomic_write(dest / name, (kg_dir / name).read_bytes())
 
 
-def run(cfg: BuildKGConfig, *, log: Callable[[str], None] = print) -> tuple[Path, dict[str, Any]]:
+def run(cfg: BuildKGConfig, *, log: Callable[[str], None] = logger.info) -> tuple[Path, dict[str, Any]]:
     """Both passes; returns the KG folder and the counts (also saved as ``counts.json``)."""
     from osvl.cluster import init_ray
 

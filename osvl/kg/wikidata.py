@@ -38,6 +38,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import logging
 import re
 import shutil
 from collections import Counter, defaultdict
@@ -48,6 +49,8 @@ from typing import Any
 from osvl.errors import DataError
 from osvl.kg.anchors import read_licences
 from osvl.kg.schema import write_kg
+
+logger = logging.getLogger(__name__)
 
 FORMATS = ("wikidata_json", "wikidata_triples")
 IMAGE_PROPERTY, INSTANCE_OF = "P18", "P31"
@@ -280,7 +283,7 @@ def assemble(records: list[dict[str, Any]], images_dir: Path | None = None,
 
 
 def build(path: Path, fmt: str, kg_dir: Path, *, labels: Path | None = None, images_dir: Path | None = None,
-          language: str = "en", workers: int = 2, log: Callable[[str], None] = print) -> dict[str, Any]:
+          language: str = "en", workers: int = 2, log: Callable[[str], None] = logger.info) -> dict[str, Any]:
     """Parse ``path`` on Ray Data, join on the driver, write the KG tables into ``kg_dir``; returns counts."""
     import ray
 

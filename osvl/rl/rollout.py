@@ -213,11 +213,8 @@ class RolloutWorker:
         from osvl.agent.trajectory import png_bytes
 
         for sha in traj.images:
-            path = self.image_dir / f"{sha}.png"
-            if not path.exists():
-                tmp = path.with_suffix(f".{self.id}.tmp")
-                tmp.write_bytes(png_bytes(arrays[sha]))
-                tmp.replace(path)
+            if not (self.image_dir / f"{sha}.png").exists():
+                storage.write_once(self.image_dir / f"{sha}.png", png_bytes(arrays[sha]))
         storage.publish(self.image_dir, *(f"{sha}.png" for sha in traj.images))  # for a learner on another node
 
     async def _group_worker(self) -> None:

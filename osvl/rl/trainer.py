@@ -19,6 +19,7 @@ and resumes from the latest checkpoint.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import threading
 import time
@@ -30,9 +31,10 @@ from typing import Any
 from osvl import storage
 from osvl.config import RunConfig, opt
 from osvl.rl.learner import RLConfig
-from osvl.rl.loss import MODES
 from osvl.rl.rollout import RolloutConfig
 from osvl.storage import publish
+
+logger = logging.getLogger(__name__)
 
 JOB = "grpo"
 
@@ -172,7 +174,7 @@ def start_cluster(rc: RolloutConfig, lc: LearnerConfig) -> None:
 
 
 def train(parts: GRPOParts, model_dir: str | Path, questions: list[dict[str, Any]], question_image_dir: str | Path,
-          out: Path, log: Callable[[str], None] = print, print_row: Callable[[dict], None] | None = None,
+          out: Path, log: Callable[[str], None] = logger.info, print_row: Callable[[dict], None] | None = None,
           actor_prefix: str = "") -> dict[str, Any]:
     """Run (or resume) GRPO into ``out``; returns a summary with the step log and the accounting.
 
@@ -186,7 +188,7 @@ def train(parts: GRPOParts, model_dir: str | Path, questions: list[dict[str, Any
     from osvl.metrics import Recorder
     from osvl.rl import checkpoint as ckpt
     from osvl.rl.buffer import TrajectoryBuffer
-    from osvl.rl.learner import train_loop
+    from osvl.rl.learner_loop import train_loop
     from osvl.rl.rollout import RolloutWorker
     from osvl.rl.weights import WeightStore, check_transport
     from osvl.train.deepspeed import make_trainer
@@ -285,186 +287,3 @@ def _alive(actor: Any) -> bool:
         return True
     except Exception:  # noqa: BLE001 - any failure means it cannot report
         return False
-
-
-# ---------------------------------------------------------------------------
-# the job: data, SFT'd model, GRPO, evaluation
-
-
-@dataclass
-class EvalConfig:
-    n_heldout: int = opt(50, "Held-out questions for greedy Pass@1 after SFT and after GRPO (0 skips it).")
-    concurrency: int = opt(16, "Evaluation episodes in flight.", hashed=False)
-
-
-@dataclass
-class GRPOConfig:
-    """jobs/grpo.py: build or reuse questions, expert trajectories and the SFT'd model, then GRPO."""
-
-    run: RunConfig = opt(RunConfig, "Run root and global seed.")
-    questions: str = opt("", "Synthesize run folder (rl/heldout.parquet + images/); empty = build or reuse the "
-                             "synthesize job's run with the synth section below.")
-    model: str = opt("", "Policy to start from (HF directory); empty = build or reuse expert trajectories "
-                         "(trajectories section) and SFT (sft section) first.")
-    max_questions: int = opt(0, "RL questions used (the first by id); 0 = all of rl.parquet.")
-    synth: dict[str, Any] = opt({}, "Overrides of the synthesize job's config (same keys as jobs/synthesize.py).")
-    trajectories: dict[str, Any] = opt({}, "Overrides of the trajectories job's config (keys of jobs/trajectories.py).")
-    sft: dict[str, Any] = opt({}, "Overrides of the SFT job's config (same keys as jobs/sft.py).")
-    rl: RLConfig = opt(RLConfig, "Fatal-aware GRPO knobs.")
-    rollout: RolloutConfig = opt(RolloutConfig, "Rollout actors and agent budgets.")
-    learner: LearnerConfig = opt(LearnerConfig, "Learner workers.")
-    train: TrainConfig = opt(TrainConfig, "Steps, batch and staleness.")
-    eval: EvalConfig = opt(EvalConfig, "Held-out Pass@1.")
-
-
-def _sub_config(cls: type, job: str, root: str, seed: int, overrides: dict[str, Any]) -> Any:
-    """Another job's config: its demo profile, this run's root and seed, then ``overrides``."""
-    from osvl.config import merge, parse_args
-
-    cfg = parse_args(cls, job, [f"--run.root={root}", f"--run.seed={seed}"])
-    return merge(cfg, overrides)
-
-
-def prepare(cfg: GRPOConfig, log: Callable[[str], None] = print) -> tuple[Path, Path]:
-    """(synthesize run folder, policy HF folder): given, or built/reused by the other jobs' library functions."""
-    from osvl.synth import pipeline
-
-    if cfg.questions:
-        qdir = Path(cfg.questions)
-    else:
-        qdir, _ = pipeline.run(_sub_config(pipeline.SynthConfig, pipeline.JOB, cfg.run.root, cfg.run.seed,
-                                           cfg.synth), log=log)
-    qdir = qdir.resolve()  # Ray Train workers and actors run in other folders
-    if cfg.model:
-        return qdir, Path(cfg.model).resolve()
-    from osvl.synth import expert
-    from osvl.train import sft
-
-    # the teacher's records must show the policy the tools it will be offered in RL (the system
-    # prompt is part of every SFT row), so rollout.offer is the trajectories job's default
-    tcfg = _sub_config(expert.TrajConfig, expert.JOB, cfg.run.root, cfg.run.seed,
-                       {"questions": str(qdir), "offer": list(cfg.rollout.offer), **cfg.trajectories})
-    tdir, _ = expert.run(tcfg, log=log)
-    scfg = _sub_config(sft.SftConfig, sft.JOB, cfg.run.root, cfg.run.seed, cfg.sft)
-    scfg = merge_data(scfg, tdir, qdir)
-    from osvl.config import run_dir
-
-    done = run_dir(scfg, sft.JOB) / "report.json"
-    if done.is_file():
-        model = done.parent / "model"  # not the report's absolute path: the folder may be another node's mirror
-        log(f"sft: reusing {model}")
-        return qdir, model.resolve()
-    return qdir, Path(sft.run(scfg, log=log)["model"]).resolve()
-
-
-def merge_data(scfg: Any, tdir: Path, qdir: Path) -> Any:
-    from osvl.config import merge
-
-    return merge(scfg, {"data": {"trajectories": str(tdir), "heldout": str(qdir / "heldout.parquet")}})
-
-
-def mean_se(xs: list[float]) -> tuple[float, float]:
-    n = len(xs)
-    if n == 0:
-        return float("nan"), float("nan")
-    m = sum(xs) / n
-    var = sum((x - m) ** 2 for x in xs) / (n - 1) if n > 1 else 0.0
-    return m, (var / n) ** 0.5
-
-
-def summarize(rows: list[dict[str, Any]], window: int = 10) -> dict[str, Any]:
-    """First vs last ``window`` steps' mean reward (with standard errors), the clamp split, the staleness mix."""
-    rewards = [r["reward"] for r in rows]
-    first, last = mean_se(rewards[:window]), mean_se(rewards[-window:])
-    clamped = sum(r.get("clamped", 0) for r in rows)
-    kept = sum(r.get("kept_positive", 0) for r in rows)
-    fatal = clamped + kept
-    return {"steps": len(rows), "first_mean": first[0], "first_se": first[1], "last_mean": last[0],
-            "last_se": last[1], "improved": last[0] - first[0] > 2 * (first[1] ** 2 + last[1] ** 2) ** 0.5,
-            "clamped": clamped, "kept_positive": kept,
-            "clamped_share": clamped / fatal if fatal else float("nan"),
-            "fatal_rate": sum(r["fatal_rate"] for r in rows) / max(1, len(rows)),
-            "skipped": sum(bool(r.get("skipped")) for r in rows),
-            "staleness": rows[-1]["staleness"] if rows else {}}
-
-
-COLUMNS = (("step", "{:>4d}"), ("reward", "{:6.3f}"), ("r_fmt", "{:5.2f}"), ("r_acc", "{:5.2f}"),
-           ("r_query", "{:5.2f}"), ("fatal_rate", "{:5.2f}"), ("clamped", "{:>3d}"), ("kept_positive", "{:>3d}"),
-           ("mask_coverage", "{:5.2f}"), ("kl", "{:7.4f}"), ("entropy", "{:5.2f}"), ("clip_fraction", "{:5.3f}"),
-           ("step_s", "{:6.1f}"), ("wait_s", "{:6.1f}"), ("buffer_ready", "{:>3d}"))
-HEADER = ("step reward r_fmt r_acc r_qry fatal clp kep  mask      kl   ent  clip  step_s  wait_s buf  staleness")
-
-
-def format_row(row: dict[str, Any]) -> str:
-    cells = []
-    for key, spec in COLUMNS:
-        v = row.get(key)
-        cells.append(spec.format(v) if v is not None else "-")
-    return " ".join(cells) + "  " + json.dumps(row.get("staleness", {}))
-
-
-def run(cfg: GRPOConfig, log: Callable[[str], None] = print) -> dict[str, Any]:
-    """The whole job (see GRPOConfig); prints a per-step table and a final summary, returns the summary."""
-    from osvl.config import run_dir
-    from osvl.rl.rollout import pass_at_1
-
-    t0 = time.perf_counter()
-    qdir, model = prepare(cfg, log)
-    questions = sorted(read_questions(qdir / "rl.parquet"), key=lambda r: r["id"])
-    if cfg.max_questions:
-        questions = questions[:cfg.max_questions]
-    heldout = sorted(read_questions(qdir / "heldout.parquet"), key=lambda r: r["id"])[:cfg.eval.n_heldout]
-    out = run_dir(cfg, JOB).resolve()
-    start_cluster(cfg.rollout, cfg.learner)  # the evaluations run on the cluster too
-    log(f"grpo: mode {cfg.rl.mode}, {cfg.train.steps} steps x {cfg.train.groups_per_step} groups x G="
-        f"{cfg.rl.group_size}, max_staleness {cfg.train.max_staleness}, {len(questions)} RL questions, "
-        f"policy {model} -> {out}")
-    before = None
-    sft_eval = out / "pass1_sft.json"  # kept, so that a resumed run still reports it
-    if heldout and sft_eval.is_file():
-        before = json.loads(sft_eval.read_text())["pass1"]
-    elif heldout and not (out / "checkpoints").is_dir():
-        before = pass_at_1(model, heldout, qdir / "images", cfg.rollout, cfg.eval.concurrency)
-        log(f"grpo: held-out Pass@1 after SFT (greedy, {len(heldout)} questions): {before:.3f}")
-        sft_eval.write_text(json.dumps({"pass1": before}))
-        publish(out, sft_eval.name)
-    parts = GRPOParts(run=cfg.run, rl=cfg.rl, rollout=cfg.rollout, learner=cfg.learner, train=cfg.train)
-    log(HEADER)
-    res = train(parts, model, questions, qdir / "images", out, log=log, print_row=lambda r: log(format_row(r)))
-    summary = summarize(res["rows"])
-    after = None
-    grpo_eval = out / "pass1_grpo.json"  # of one checkpoint: a resubmitted finished run does not score it again
-    if heldout and res["checkpoint"]:
-        name = Path(res["checkpoint"]).name
-        if grpo_eval.is_file() and json.loads(grpo_eval.read_text())["checkpoint"] == name:
-            after = json.loads(grpo_eval.read_text())["pass1"]
-        else:
-            after = pass_at_1(Path(res["checkpoint"]) / "hf", heldout, qdir / "images", cfg.rollout,
-                              cfg.eval.concurrency)
-            grpo_eval.write_text(json.dumps({"checkpoint": name, "pass1": after}))
-    st = res["buffer"]
-    summary.update(pass1_sft=before, pass1_grpo=after, seconds=time.perf_counter() - t0, train_s=res["seconds"],
-                   issued=st["issued_total"], consumed=st["consumed"], dropped=st["dropped"],
-                   restarts=res["restarts"], resumed_from=res["resumed_from"], mode=cfg.rl.mode, out=str(out))
-    drops = [e for e in res["events"] if e.startswith("dropped")]
-    log(f"\ngrpo summary ({cfg.rl.mode}): {summary['steps']} steps in {res['seconds']:.0f} s "
-        f"({3600 * summary['steps'] / max(res['seconds'], 1e-9):.0f} steps/hour)")
-    log(f"  mean reward, first 10 steps: {summary['first_mean']:.4f} ± {summary['first_se']:.4f} (SE); "
-        f"last 10: {summary['last_mean']:.4f} ± {summary['last_se']:.4f}; "
-        f"{'higher by more than 2 SE' if summary['improved'] else 'NOT higher by more than 2 SE'}")
-    clamps = MODES[cfg.rl.mode].clamp_fatal
-    applied = "" if clamps else f" ({cfg.rl.mode} does not clamp)"
-    log(f"  clamp split{applied}: of {summary['clamped'] + summary['kept_positive']} fatal trajectories with a "
-        f"non-zero advantage, {summary['clamped']} negative{' -> clamped to 0' if clamps else ''}, "
-        f"{summary['kept_positive']} positive kept"
-        + (f" ({summary['clamped_share']:.1%} / {1 - summary['clamped_share']:.1%})"
-           if summary["clamped"] + summary["kept_positive"] else "")
-        + f"; mean fatal rate {summary['fatal_rate']:.2f}")
-    log(f"  groups: {st['issued_total']} issued, {st['consumed']} trained, {st['dropped']} dropped"
-        + (f" ({'; '.join(drops[:3])})" if drops else "") + f"; staleness of trained groups {st['staleness']}; "
-        f"{len(res['restarts'])} rollout-actor restarts; {summary['skipped']} non-finite steps skipped")
-    shown = ["n/a" if v is None else f"{v:.3f}" for v in (before, after)]
-    log(f"  held-out Pass@1 ({len(heldout)} questions, greedy): after SFT {shown[0]}, after GRPO {shown[1]}")
-    (out / "report.json").write_text(json.dumps(summary, indent=1, default=str))
-    publish(out)
-    return summary

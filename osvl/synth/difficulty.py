@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +35,8 @@ from osvl.agent.judge import normalize_answer
 from osvl.config import opt
 from osvl.endpoint import EndpointConfig
 from osvl.errors import ConfigError
+
+logger = logging.getLogger(__name__)
 
 STAGES = ("no_tools", "one_image_search")
 ENGINES = ("hf", "vllm", "openai")
@@ -175,6 +178,9 @@ class DifficultyFilter:
     """
 
     def __init__(self, synth_cfg: Any) -> None:
+        from osvl.logs import setup
+
+        setup()  # a Ray Data worker: its root logger is not configured yet
         self.cfg: DifficultyConfig = synth_cfg.filter.difficulty
         self.cfg.check()
         self.kg_dir = synth_cfg.kg_dir
@@ -184,7 +190,7 @@ class DifficultyFilter:
         counts: Counter[str] = Counter()
         rows = batch.to_pylist()
         kept = filter_rows(rows, self.cfg, self.kg_dir, self.model, counts)
-        print(f"difficulty filter: {len(rows)} in, {len(kept)} kept; drops {dict(counts)}", flush=True)
+        logger.info(f"difficulty filter: {len(rows)} in, {len(kept)} kept; drops {dict(counts)}")
         if self.cfg.report:
             with open(self.cfg.report, "a") as f:
                 f.write(json.dumps({"rows": len(rows), **counts}) + "\n")

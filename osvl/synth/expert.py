@@ -37,10 +37,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import shutil
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -54,6 +56,9 @@ from osvl.agent.teacher import OracleConfig
 from osvl.config import RunConfig, from_dict, opt, run_dir, to_dict
 from osvl.endpoint import EndpointConfig
 from osvl.errors import ConfigError, DataError, EndpointUnavailable
+from osvl.logs import Progress
+
+logger = logging.getLogger(__name__)
 
 JOB = "trajectories"
 TEACHERS = ("oracle", "openai")
@@ -126,16 +131,15 @@ def validate(cfg: TrajConfig) -> None:
         raise ConfigError("an LLM judge (reward.judge / reward.query_scorer) needs judge.base_url and judge.model")
 
 
-def questions_dir(cfg: TrajConfig, log: Any = print) -> Path:
+def questions_dir(cfg: TrajConfig, log: Callable[[str], None] = logger.info) -> Path:
     """The synthesize run to read: ``cfg.questions``, or the default synthesize run (built or reused)."""
     if cfg.questions:
         path = Path(cfg.questions)
     else:
-        from osvl.config import parse_args
+        from osvl.config import upstream_config
         from osvl.synth import pipeline
 
-        scfg = parse_args(pipeline.SynthConfig, pipeline.JOB, [f"--run.root={cfg.run.root}"])
-        path, _ = pipeline.run(scfg, log=log)
+        path, _ = pipeline.run(upstream_config(pipeline.SynthConfig, pipeline.JOB, cfg.run), log=log)
     if not (path / f"{cfg.split}.parquet").is_file():
         raise DataError(f"{path} has no {cfg.split}.parquet (run jobs/synthesize.py first)")
     return path
@@ -292,9 +296,7 @@ class ShardWorker:
         if kept:
             write_trajectories(shard_dir, kept, {sha: store[sha] for t in kept for sha in t.images})
         marker = self.out / "shards" / f"shard-{shard:05d}.json"
-        tmp = marker.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(dict(counts), sort_keys=True))
-        os.replace(tmp, marker)
+        storage.atomic_write(marker, json.dumps(dict(counts), sort_keys=True))
         storage.publish(self.out, f"shards/shard-{shard:05d}", marker.relative_to(self.out).as_posix())  # marker last
         return counts
 
@@ -330,7 +332,7 @@ def report(counts: Counter[str], seconds: float) -> dict[str, Any]:
     }
 
 
-def run(cfg: TrajConfig, *, log: Any = print) -> tuple[Path, dict[str, Any]]:
+def run(cfg: TrajConfig, *, log: Callable[[str], None] = logger.info) -> tuple[Path, dict[str, Any]]:
     """Answer the split's questions with the teacher, filter, keep, write (resuming shards)."""
     import ray
 
@@ -356,10 +358,12 @@ def run(cfg: TrajConfig, *, log: Any = print) -> tuple[Path, dict[str, Any]]:
                             batch_size=1, num_cpus=1, resources=role_resources("data", cfg.role_units),
                             compute=ray.data.ActorPoolStrategy(size=min(cfg.workers, len(todo))))
         finished = n_shards - len(todo)
-        for row in ds.iter_rows():
-            finished += 1
-            log(f"  shard {int(row['shard']):5d} done: kept {int(row['kept'])} in {float(row['seconds']):.1f} s "
-                f"({finished}/{n_shards})")
+        with Progress(n_shards, "trajectories", "shards", initial=finished) as bar:
+            for row in ds.iter_rows():
+                finished += 1
+                log(f"  shard {int(row['shard']):5d} done: kept {int(row['kept'])} in {float(row['seconds']):.1f} s "
+                    f"({finished}/{n_shards})")
+                bar.update(1)
         storage.refresh(out)  # shards the workers on other nodes published
     counts: Counter[str] = Counter()
     for k in range(n_shards):

@@ -33,9 +33,10 @@ from __future__ import annotations
 import hashlib
 import importlib
 import json
-import os
+import logging
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -49,11 +50,14 @@ from osvl import storage
 from osvl.config import RunConfig, config_hash, from_dict, opt, run_dir, to_dict
 from osvl.endpoint import EndpointConfig
 from osvl.errors import ConfigError
+from osvl.logs import Progress
 from osvl.synth.degrade import UNDO_TOOL, degrade
 from osvl.synth.difficulty import DifficultyConfig
 from osvl.synth.invariants import fold, violations
 from osvl.synth.rewrite import llm_rewrite, template_rewrite
 from osvl.synth.walks import SPLITS, Graph, WalkConfig, assign_splits, random_walk
+
+logger = logging.getLogger(__name__)
 
 JOB = "synthesize"
 
@@ -184,11 +188,7 @@ class ImageStore:
 
     def _put(self, data: bytes, ext: str) -> str:
         name = hashlib.sha256(data).hexdigest()[:24] + ext
-        path = self.dir / name
-        if not path.exists():
-            tmp = path.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_bytes(data)
-            os.replace(tmp, path)
+        storage.write_once(self.dir / name, data)
         return name
 
     def _source(self, image: str) -> Path:
@@ -378,9 +378,8 @@ def commit_shard(shard_dir: Path, shard: int, rows: list[dict[str, Any]], counts
     final = shard_path(shard_dir, shard)
     final.with_suffix(".json").write_text(json.dumps({k: dict(v) for k, v in counts.items()}, sort_keys=True))
     table = pa.Table.from_pylist(rows, schema=ROW_SCHEMA)
-    tmp = final.with_suffix(f".{os.getpid()}.tmp")
-    pq.write_table(table, tmp)
-    os.replace(tmp, final)
+    with storage.atomic(final) as tmp:
+        pq.write_table(table, tmp)
 
 
 def _apply_filter_stage(cfg: SynthConfig, table: pa.Table) -> pa.Table:
@@ -541,9 +540,8 @@ def finalize(cfg: SynthConfig, out: Path, num_shards: int, seconds: float, seeds
     table = cap_shares(table, cfg.max_answer_share, cfg.max_seed_share, counts["caps"])
     for split in SPLITS:
         part = table.filter(pc.equal(table.column("split"), split))
-        tmp = out / f"{split}.parquet.tmp"
-        pq.write_table(part, tmp)
-        os.replace(tmp, out / f"{split}.parquet")
+        with storage.atomic(out / f"{split}.parquet") as tmp:
+            pq.write_table(part, tmp)
     record_counts(out.name, {"kept": table.num_rows},
                   {k: counts[k] for k in ("difficulty_filter", "caps") if k in counts})
     card = data_card(cfg, table, counts, seconds, seeds_planned)
@@ -566,7 +564,7 @@ def check_same_kg(graph: Graph, shard_dir: Path) -> None:
     stamp.write_text(fingerprint + "\n")
 
 
-def run(cfg: SynthConfig, *, log: Any = print) -> tuple[Path, dict[str, Any]]:
+def run(cfg: SynthConfig, *, log: Callable[[str], None] = logger.info) -> tuple[Path, dict[str, Any]]:
     """Synthesize (resuming committed shards), finalize; returns the run folder and the data card."""
     import ray
 
@@ -592,10 +590,12 @@ def run(cfg: SynthConfig, *, log: Any = print) -> tuple[Path, dict[str, Any]]:
                             batch_size=1, num_cpus=1, resources=role_resources("data", cfg.role_units),
                             compute=ray.data.ActorPoolStrategy(size=min(cfg.workers, len(todo))))
         finished = cfg.num_shards - len(todo)
-        for row in ds.iter_rows():
-            finished += 1
-            log(f"  shard {int(row['shard']):5d} done: {int(row['questions'])} questions in "
-                f"{float(row['seconds']):.1f} s ({finished}/{cfg.num_shards})")
+        with Progress(cfg.num_shards, "synthesize", "shards", initial=finished) as bar:
+            for row in ds.iter_rows():
+                finished += 1
+                log(f"  shard {int(row['shard']):5d} done: {int(row['questions'])} questions in "
+                    f"{float(row['seconds']):.1f} s ({finished}/{cfg.num_shards})")
+                bar.update(1)
         storage.refresh(out)  # shards the workers on other nodes published
     card = finalize(cfg, out, cfg.num_shards, time.perf_counter() - t0, n_seeds)
     storage.publish(out)

@@ -40,7 +40,6 @@ import json
 import os
 import re
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +47,7 @@ import numpy as np
 
 from osvl.config import DEFAULT_RUN_ROOT
 from osvl.errors import ConfigError
+from osvl.storage import atomic_write
 from osvl.tools.base import ToolContext, ToolError, ToolResult, call_tool
 
 MODES = ("off", "record", "replay", "strict-replay")
@@ -76,19 +76,6 @@ def image_digest(arr: np.ndarray) -> str:
     h = hashlib.sha256(f"{arr.shape}|{arr.dtype}".encode())
     h.update(np.ascontiguousarray(arr).tobytes())
     return h.hexdigest()
-
-
-def atomic_write(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` so that no reader ever sees a partial file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=path.suffix)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 class ToolCache:

@@ -40,8 +40,9 @@ import numpy as np
 
 from osvl.config import opt
 from osvl.errors import DataError
+from osvl.storage import atomic_write
 from osvl.tools.base import IMAGE_ARG, LazyBackend, Tool, ToolContext, ToolResult, number, register
-from osvl.tools.cache import atomic_write, file_digest, store_root
+from osvl.tools.cache import file_digest, store_root
 
 INDEX_VERSION = 2  # 2: hits carry a page snippet (description + opening text), not the description alone
 

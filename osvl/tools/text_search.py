@@ -65,8 +65,9 @@ import numpy as np
 
 from osvl.config import opt
 from osvl.errors import ConfigError, DataError, ToolCallError
+from osvl.storage import atomic_write
 from osvl.tools.base import InvalidCall, LazyBackend, TextHit, Tool, ToolContext, ToolResult, number, register
-from osvl.tools.cache import atomic_write, file_digest, store_root
+from osvl.tools.cache import file_digest, store_root
 from osvl.tools.web import WebConfig
 
 FIELDS = ("aliases", "description", "text", "attributes", "categories", "links")

@@ -30,20 +30,19 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
+import logging
 import shutil
-import tempfile
 import time
-import zlib
+from collections.abc import Callable
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any, Literal
 
 from osvl.config import RunConfig, opt
 from osvl.errors import ConfigError, DataError
+from osvl.train.sft_data import count_rows, load_split, parquet_files
+from osvl.train.sft_loop import JOB, draw_curves, train_loop
 
-JOB = "sft"
-COLUMNS = ["id", "question_id", "input_ids", "gen_mask", "step_ids", "images", "image_max_pixels"]
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -93,266 +92,6 @@ class SftConfig:
 
 
 # ---------------------------------------------------------------------------
-# data
-
-
-def parquet_files(path: str | Path) -> tuple[list[Path], Path]:
-    """(part files, image folder) of a trajectory folder or its ``trajectories.parquet``."""
-    p = Path(path)
-    if (p / "trajectories.parquet").exists():
-        p = p / "trajectories.parquet"
-    files = sorted(p.glob("part-*.parquet")) if p.is_dir() else [p]
-    files = [f for f in files if f.is_file() and f.stat().st_size > 0]
-    if not files:
-        raise DataError(f"no trajectory parquet at {path}")
-    return files, p.parent / "images"
-
-
-def is_val(question_id: str, fraction: float) -> bool:
-    """Deterministic question-level split (crc32 of the id), so trajectories of one question stay together."""
-    return zlib.crc32(question_id.encode()) % 10_000 < fraction * 10_000
-
-
-def count_rows(files: list[Path], val_fraction: float) -> tuple[int, int]:
-    """(train rows, validation rows), from the question-id column only."""
-    import pyarrow.parquet as pq
-
-    n_train = n_val = 0
-    for f in files:
-        for qid in pq.read_table(f, columns=["question_id"]).column(0).to_pylist():
-            if is_val(qid, val_fraction):
-                n_val += 1
-            else:
-                n_train += 1
-    return n_train, n_val
-
-
-def load_split(files: list[Path], val_fraction: float, val: bool):
-    """The train or validation rows (token columns only) as a Ray Dataset in the object store.
-
-    Read here, in the driver, from the files it already holds (a local folder, or this node's
-    mirror of the run root: ``count_rows`` read them too), one block per file in file order, so
-    the block layout, and with it every epoch's order, is the same in a resumed run. Not
-    ``ray.data.read_parquet``: its listing and read tasks start worker processes, on other nodes
-    of a cluster, which costs more than the read at the sizes osvl trains (token ids of thousands
-    of trajectories); the blocks land in the object store either way and the train workers stream
-    them from there. The driver holds one split in memory while it puts it there; a set too big
-    for that wants the read tasks back.
-    """
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-    import ray.data
-
-    tables = []
-    for f in files:
-        t = pq.read_table(f, columns=COLUMNS)
-        keep = [is_val(q, val_fraction) == val for q in t.column("question_id").to_pylist()]
-        tables.append(t.filter(pa.array(keep, pa.bool_())))
-    return ray.data.from_arrow(tables)
-
-
-def global_batches(ds, *, rows: int, drop_last: bool, shuffle_buffer: int = 0, seed: int = 0):
-    """Yield lists of ``rows`` records of ``ds``, shuffled by a buffer seeded with ``seed`` (0 rows: in order)."""
-    import ray.data
-
-    ray.data.DataContext.get_current().enable_progress_bars = False
-    kw: dict[str, Any] = {}
-    if shuffle_buffer > 1:
-        kw = {"local_shuffle_buffer_size": shuffle_buffer, "local_shuffle_seed": seed}
-    for batch in ds.iter_batches(batch_size=rows, batch_format="pyarrow", drop_last=drop_last, **kw):
-        yield [SimpleNamespace(logprobs=[], **r) for r in batch.to_pylist()]
-
-
-# ---------------------------------------------------------------------------
-# the worker loop
-
-
-def lr_lambda(total: int, warmup: float, floor: float):
-    """Linear warm-up then cosine decay to ``floor`` (fractions of the peak), indexed by optimizer step."""
-    warm = max(1, round(total * warmup))
-
-    def f(step: int) -> float:
-        if step < warm:
-            return (step + 1) / warm
-        prog = min(1.0, (step - warm) / max(1, total - warm))
-        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * prog))
-
-    return f
-
-
-def build_model(cfg: SftConfig, model_dir: str, dtype: str):
-    """The model to train, with gradient checkpointing and the frozen vision tower as configured."""
-    from osvl.models.load import load_model
-
-    model = load_model(model_dir, dtype=dtype)
-    model.config.use_cache = False
-    if cfg.grad_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if cfg.freeze_vision:
-        for p in model.model.visual.parameters():
-            p.requires_grad_(False)
-    model.train()
-    return model
-
-
-def _forward_nll(engine, rows, image_dir, processor, cfg: SftConfig):
-    """(NLL sum over gen tokens, gen tokens, tokens, truncated rows, dropped rows) of one micro-batch."""
-    from osvl.train.batch import collate, ensure_image, masked_nll, token_logprobs
-
-    batch = collate(rows, image_dir, processor, cfg.max_len, cfg.truncation)
-    if batch["input_ids"].shape[0] == 0:
-        raise DataError(f"every trajectory of a micro-batch was dropped (max_len={cfg.max_len}); raise max_len")
-    batch = ensure_image(batch, processor)  # same graph on every rank: ZeRO's reduce order depends on it
-    nll, n_gen = masked_nll(token_logprobs(engine, batch), batch["gen_mask"])
-    return nll, n_gen, int(batch["attention_mask"].sum()), int(batch["truncated"].sum()), int(batch["n_dropped"])
-
-
-def _gen_tokens(rows, max_len: int) -> int:
-    """Gen-mask tokens of ``rows`` within ``max_len`` (an upper bound when a cut moves before an image)."""
-    return sum(sum(r.gen_mask[:max_len]) for r in rows)
-
-
-def validate(engine, ds, image_dir, processor, cfg: SftConfig, rank: int, world: int) -> float:
-    """Token-mean NLL over the validation questions; every rank runs the same number of forwards (ZeRO-3)."""
-    import torch
-    import torch.distributed as dist
-
-    engine.eval()
-    tot = torch.zeros(2, dtype=torch.float64)
-    with torch.no_grad():
-        for rows in global_batches(ds, rows=world * cfg.micro_batch, drop_last=False):
-            mine = rows[rank * cfg.micro_batch:(rank + 1) * cfg.micro_batch]
-            weight = 1.0 if mine else 0.0  # a short last batch: forward a stand-in row, count nothing
-            nll, n_gen, *_ = _forward_nll(engine, mine or rows[:1], image_dir, processor, cfg)
-            tot += torch.tensor([float(nll) * weight, float(n_gen) * weight], dtype=torch.float64)
-    engine.train()
-    dist.all_reduce(tot)
-    return float(tot[0] / tot[1]) if tot[1] > 0 else float("nan")
-
-
-def train_loop(config: dict) -> None:
-    """One Ray Train worker: DeepSpeed engine, deterministic data stream, checkpoints, metrics."""
-    import ray.train
-    import torch
-    import torch.distributed as dist
-
-    from osvl.metrics import TRAIN_GRAD_NORM, TRAIN_LOSS, TRAIN_LR, TRAIN_TOKENS_PER_S, TRAIN_VAL_LOSS, Recorder
-    from osvl.models.load import load_processor
-    from osvl.train.deepspeed import ds_config, init_engine, load_checkpoint, save_checkpoint
-
-    cfg: SftConfig = config["cfg"]
-    from osvl import storage
-
-    # a location (osvl.storage): this node may hold no copy of the images yet
-    train_ds, val_ds, image_dir = config["train_ds"], config["val_ds"], storage.attach(config["image_dir"])
-    total, val_rows, log_file = config["total_steps"], config["val_rows"], Path(config["log_file"])
-    torch.set_num_threads(cfg.threads_per_worker)
-    ctx = ray.train.get_context()
-    rank, world = ctx.get_world_rank(), ctx.get_world_size()
-    bf16 = cfg.bf16 if cfg.bf16 is not None else cfg.use_gpu
-    torch.manual_seed(cfg.run.seed)
-    model = build_model(cfg, config["model_dir"], "float32")
-    processor = load_processor(config["model_dir"])
-    params = [p for p in model.parameters() if p.requires_grad]
-    optim = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
-    sched = torch.optim.lr_scheduler.LambdaLR(optim, lr_lambda(total, cfg.warmup, cfg.min_lr_ratio))
-    engine = init_engine(model, optim, sched, ds_config(
-        cfg.zero_stage, micro_batch=cfg.micro_batch, grad_accum=cfg.grad_accum, world_size=world,
-        grad_clip=cfg.grad_clip, bf16=bf16))
-
-    step = 0
-    ckpt = ray.train.get_checkpoint()
-    if ckpt:
-        with ckpt.as_directory() as d:
-            step = int(load_checkpoint(engine, Path(d))["step"])
-        if rank == 0:
-            print(f"sft: resumed at step {step}/{total}", flush=True)
-            with log_file.open("a") as f:
-                f.write(json.dumps({"resumed_at": step}) + "\n")
-    rec = Recorder(JOB, log_file.parent.name)  # run label: the run folder (config hash or run.name)
-    rows_per_micro = world * cfg.micro_batch
-    micro_per_epoch = config["train_rows"] // rows_per_micro
-    t_start = t_last = t_step = time.time()
-    tok_since = 0
-    val_loss = float("nan")
-
-    def finish_step(loss: float, grad_norm: float, tokens: int, cut: int, dropped: int) -> None:
-        nonlocal t_last, t_step, tok_since, val_loss
-        tok_since += tokens
-        step_s = time.time() - t_step  # forward/backward/step only: validation and checkpoints come after
-        is_last = step == total
-        if cfg.val_every and step % cfg.val_every == 0 or is_last:
-            val_loss = validate(engine, val_ds, image_dir, processor, cfg, rank, world) if val_rows else val_loss
-        lr = sched.get_last_lr()[0]
-        log = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": tokens, "step_s": step_s,
-               "truncated": cut, "dropped": dropped}
-        if not math.isnan(val_loss):
-            log["val_loss"] = val_loss
-        if rank == 0:
-            with log_file.open("a") as f:
-                f.write(json.dumps(log) + "\n")
-            rec.set(TRAIN_LOSS, loss)
-            rec.set(TRAIN_LR, lr)
-            rec.set(TRAIN_GRAD_NORM, grad_norm)
-            if not math.isnan(val_loss):
-                rec.set(TRAIN_VAL_LOSS, val_loss)
-        if step % cfg.log_every == 0 or is_last:
-            now = time.time()
-            tps = tok_since / max(now - t_last, 1e-9)
-            t_last, tok_since = now, 0
-            if rank == 0:
-                rec.set(TRAIN_TOKENS_PER_S, tps)
-                el = now - t_start
-                val = f" | val {val_loss:.4f}" if not math.isnan(val_loss) else ""
-                print(f"sft step {step}/{total} | loss {loss:.4f}{val} | lr {lr:.2e} | gnorm {grad_norm:.3f} | "
-                      f"{tps:,.0f} tok/s | {el:.0f}s", flush=True)
-        if step % cfg.ckpt_every == 0 or is_last:
-            with tempfile.TemporaryDirectory(prefix="osvl-sft-") as d:
-                save_checkpoint(engine, Path(d), {"step": step}, processor if rank == 0 else None)
-                ray.train.report(log, checkpoint=ray.train.Checkpoint.from_directory(d))
-            if rank == 0:
-                print(f"sft: checkpoint step {step}", flush=True)
-        t_step = time.time()
-
-    micro_done = step * cfg.grad_accum  # global micro-batches consumed before this run
-    epoch = micro_done // max(1, micro_per_epoch)
-    while step < total:
-        skip = micro_done - epoch * micro_per_epoch
-        stream = global_batches(train_ds, rows=rows_per_micro, drop_last=True, shuffle_buffer=cfg.shuffle_buffer,
-                                seed=cfg.run.seed * 1_000 + epoch)
-        pending: list[list] = []
-        for i, rows in enumerate(stream):
-            if i < skip:
-                continue
-            pending.append(rows)
-            if len(pending) < cfg.grad_accum:
-                continue
-            # the step's gen-token count over all workers and micro-batches: every worker sees every row
-            denom = float(sum(_gen_tokens(r, cfg.max_len) for r in pending))
-            stats = torch.zeros(5, dtype=torch.float64)  # nll, gen tokens, tokens, truncated, dropped
-            for rows_ in pending:
-                mine = rows_[rank * cfg.micro_batch:(rank + 1) * cfg.micro_batch]
-                nll, n_gen, n_tok, cut, dropped = _forward_nll(engine, mine, image_dir, processor, cfg)
-                # DeepSpeed divides by grad_accum and averages over workers; undo both so the gradient is
-                # d(sum of NLL over the step) / (gen tokens of the step)
-                engine.backward(nll * (world * cfg.grad_accum / max(denom, 1.0)))
-                engine.step()
-                stats += torch.tensor([nll.item(), float(n_gen), n_tok, cut, dropped], dtype=torch.float64)
-            pending = []
-            micro_done += cfg.grad_accum
-            step += 1
-            dist.all_reduce(stats)
-            gn = engine.get_global_grad_norm()
-            finish_step(float(stats[0] / max(stats[1], 1.0)), float(gn if gn is not None else float("nan")),
-                        int(stats[2]), int(stats[3]), int(stats[4]))
-            if step >= total:
-                break
-        epoch += 1
-        if micro_per_epoch == 0:
-            raise DataError(f"{config['train_rows']} training rows make no global micro-batch of {rows_per_micro}")
-
-
-# ---------------------------------------------------------------------------
 # the driver
 
 
@@ -373,13 +112,12 @@ def resolve_data(cfg: SftConfig, out: Path, model_dir: str) -> Path:
     if cfg.data.trajectories:
         p = Path(cfg.data.trajectories)
         return p if p.is_absolute() else REPO_ROOT / p
-    from osvl.config import parse_args
+    from osvl.config import upstream_config
     from osvl.synth.expert import JOB as TRAJ_JOB
     from osvl.synth.expert import TrajConfig
     from osvl.synth.expert import run as make_trajectories
 
-    traj_cfg = parse_args(TrajConfig, TRAJ_JOB, [f"--run.root={cfg.run.root}", f"--run.seed={cfg.run.seed}"])
-    folder, _ = make_trajectories(traj_cfg, log=print)
+    folder, _ = make_trajectories(upstream_config(TrajConfig, TRAJ_JOB, cfg.run))
     return Path(folder)
 
 
@@ -408,7 +146,7 @@ def loss_curve(log_file: Path, width: int = 60) -> str:
     return f"loss {hi:.3f} -> {losses[-1]:.3f}  {spark}\n  step:loss  {table}"
 
 
-def run(cfg: SftConfig, *, log: Any = print) -> dict[str, Any]:
+def run(cfg: SftConfig, *, log: Callable[[str], None] = logger.info) -> dict[str, Any]:
     """Train (resuming if this run folder has checkpoints), export the HF model, run the format check."""
     from osvl.cluster import init_ray
     from osvl.config import run_dir, to_dict
@@ -453,6 +191,7 @@ def run(cfg: SftConfig, *, log: Any = print) -> dict[str, Any]:
     resumed = [e["resumed_at"] for e in entries if "resumed_at" in e]
     log_file.write_text("".join(json.dumps(lines[k]) + "\n" for k in sorted(lines)))
     log(loss_curve(log_file))
+    draw_curves(log_file)
     from osvl.agent.evaluate import OFFER_FILE, trained_tools
 
     offer = trained_tools(data_dir)  # the policy's prompt showed these tools: evals offer the same

@@ -26,16 +26,16 @@ temperature)`` over the whole vocabulary (no top-k/top-p or other processors), l
 with log-probs of the unscaled logits. A request's ``seed`` seeds its own generator, so its
 tokens do not depend on what else shares its batch.
 
-Other model types (Qwen2.5-VL, ...) fall back to ``model.generate`` with left padding and
-no cache: it takes one sampling configuration per call, so requests with different
-temperature or stop tokens go in separate batches, and per-request seeds cannot be honoured
-token for token inside a shared batch (one global RNG, seeded from the batch's seeds).
+Other model types (Qwen2.5-VL, ...) are refused with a ``ConfigError`` that names the vLLM
+engine: a ``model.generate`` fallback could not honour per-request seeds inside a shared
+batch, and one generation path per engine is the one the tests exercise.
 """
 
 from __future__ import annotations
 
 import asyncio
 import inspect
+import json
 import queue
 import threading
 from collections.abc import Mapping
@@ -47,16 +47,10 @@ import torch
 
 from osvl.agent.engines.base import GenRequest, GenResult, Sampling, resolve_future
 from osvl.agent.engines.kv import Entry, PrefixStore, Seq, SlotCache, common_length, image_key, image_runs
-from osvl.agent.trajectory import mm_token_type_ids, processor_inputs
+from osvl.agent.trajectory import processor_inputs
 from osvl.errors import ConfigError, DataError, EngineError
 from osvl.models.load import load_model, load_processor
 
-# Processors a checkpoint's generation_config.json may switch on, set to their no-op values:
-# generate() fills every field we leave None from the checkpoint's config, then from its global
-# defaults (top_k=50), which would silently truncate the sampling distribution.
-NEUTRAL = {"top_k": 0, "top_p": 1.0, "min_p": 0.0, "typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0,
-           "repetition_penalty": 1.0, "no_repeat_ngram_size": 0, "min_new_tokens": 0,
-           "encoder_repetition_penalty": 1.0, "length_penalty": 1.0, "num_beams": 1, "renormalize_logits": False}
 CACHED_TYPES = ("qwen3_vl",)  # model types whose positions this engine's own loop computes
 ADMIT_AFTER = 2  # decoding steps a turn may wait for others to arrive before it is admitted anyway
 MIN_SHARED = 16  # tokens a shared prompt prefix must save before it is computed on its own first
@@ -127,6 +121,10 @@ class HFEngine:
         if max_batch < 1:
             raise ConfigError(f"max_batch must be >= 1, got {max_batch}")
         self.path = str(model)
+        kind = json.loads((Path(model) / "config.json").read_text()).get("model_type")
+        if kind not in CACHED_TYPES:
+            raise ConfigError(f"the HF engine runs {', '.join(CACHED_TYPES)} checkpoints (its own cached loop); "
+                              f"{self.path} is {kind!r}: use the vLLM engine (--engine vllm) for it")
         self.model = load_model(model, dtype=dtype, device=device, attn_implementation=attn_implementation)
         self.processor = load_processor(model)
         self.tokenizer = self.processor.tokenizer
@@ -134,10 +132,9 @@ class HFEngine:
         self.device = torch.device(device)
         self.max_batch = max_batch
         self.version = version
-        self.own_loop = self.model.config.model_type in CACHED_TYPES
         # transformers renamed past_key_values to cache (5.2x); the vLLM environment pins an older one
         self._cache_kw = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
-        self.store = PrefixStore(cache_tokens) if prefix_cache and self.own_loop else None
+        self.store = PrefixStore(cache_tokens) if prefix_cache else None
         self.stats = {"batches": 0, "requests": 0, "max_batch_seen": 0, "steps": 0, "row_steps": 0,
                       "prefill_tokens": 0, "cached_tokens": 0}
         self._inbox: queue.Queue = queue.Queue()
@@ -261,16 +258,6 @@ class HFEngine:
         reqs = [r for r, _ in admit]
         self.stats["batches"] += 1
         self.stats["requests"] += len(reqs)
-        if not self.own_loop:  # fallback: whole turns through generate, grouped by sampling configuration
-            groups: dict[tuple, list] = {}
-            for req, fut in admit:
-                s = req.sampling
-                groups.setdefault((float(s.temperature), tuple(sorted(s.stop_token_ids))), []).append((req, fut))
-            for group in groups.values():
-                for (_, fut), res in zip(group, self._generate_with_hf([r for r, _ in group]), strict=True):
-                    res.version = self.version
-                    resolve_future(fut, res, None)
-            return batch
         seqs = [self._seq(r) for r in reqs]
         if self.store is not None and len(seqs) > 1:
             self._fill_shared(seqs)
@@ -534,52 +521,3 @@ class HFEngine:
         layers = range(len(batch.cache.k))
         self.store.add(Entry(ids, list(r.seq.keys), [batch.cache.k[x][i].index_select(1, slot_idx) for x in layers],
                              [batch.cache.v[x][i].index_select(1, slot_idx) for x in layers], positions))
-
-    def _generate_with_hf(self, reqs: list[GenRequest]) -> list[GenResult]:
-        """Fallback for model types without the own loop: one left-padded ``generate`` over requests that share
-        temperature and stop tokens, no cache."""
-        from transformers import GenerationConfig
-
-        s0: Sampling = reqs[0].sampling
-        width = max(len(r.prompt_ids) for r in reqs)
-        ids = torch.full((len(reqs), width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((len(reqs), width), dtype=torch.long)
-        for i, r in enumerate(reqs):
-            ids[i, width - len(r.prompt_ids):] = torch.tensor(r.prompt_ids, dtype=torch.long)
-            mask[i, width - len(r.prompt_ids):] = 1
-        # the vision tower takes every image of the batch in row order, matching the pads' order
-        images = [im for r in reqs for im in r.images]
-        caps = [mp for r in reqs for mp in r.image_max_pixels]
-        vision = processor_inputs(images, caps, self.processor) if images else {}
-        if images:
-            vision["mm_token_type_ids"] = mm_token_type_ids(ids, self.model.config.image_token_id)
-        greedy = s0.temperature <= 0
-        stop = list(s0.stop_token_ids) or [self.tokenizer.eos_token_id]
-        gc = GenerationConfig(
-            do_sample=not greedy, temperature=None if greedy else float(s0.temperature),
-            max_new_tokens=max(r.sampling.max_new_tokens for r in reqs), eos_token_id=stop,
-            pad_token_id=self.pad_id, output_logits=True, return_dict_in_generate=True, **NEUTRAL)
-        if greedy:
-            gc.top_k, gc.top_p = None, None  # greedy ignores them; unset avoids transformers' warning
-        seeds = [r.sampling.seed for r in reqs if r.sampling.seed is not None]
-        with torch.random.fork_rng(devices=[]):
-            if seeds:
-                torch.manual_seed(hash(tuple(seeds)) & 0x7FFF_FFFF)
-            kwargs = {k: v.to(self.device) for k, v in vision.items()}
-            out = self.model.generate(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
-                                      generation_config=gc, **kwargs)
-        new = out.sequences[:, width:].cpu()
-        logits = torch.stack(out.logits, dim=1).float().cpu()  # (B, steps, V), raw: before any processor
-        scale = 1.0 if greedy else float(s0.temperature)
-        logp = torch.log_softmax(logits / scale, dim=-1).gather(-1, new.unsqueeze(-1)).squeeze(-1)
-        stop_set = set(stop)
-        results = []
-        for i, r in enumerate(reqs):
-            toks = new[i].tolist()
-            n, finish = min(len(toks), r.sampling.max_new_tokens), "length"
-            for j in range(n):
-                if toks[j] in stop_set:
-                    n, finish = j + 1, "stop"
-                    break
-            results.append(GenResult(token_ids=toks[:n], logprobs=logp[i, :n].tolist(), finish=finish))
-        return results

@@ -1,0 +1,163 @@
+"""``jobs/grpo.py``: build or reuse questions, expert trajectories and the SFT'd model, then GRPO.
+
+The pipeline DAG: synthesize -> trajectories -> SFT -> GRPO (``osvl.rl.trainer.train``), each
+upstream job built or reused in its own run folder (``osvl.config.upstream_config``), with greedy
+held-out Pass@1 after SFT and after GRPO and the summary (``osvl.rl.report``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from osvl.config import RunConfig, opt
+from osvl.logs import Progress
+from osvl.rl.learner import RLConfig
+from osvl.rl.loss import MODES
+from osvl.rl.report import HEADER, format_row, summarize
+from osvl.rl.rollout import RolloutConfig
+from osvl.rl.trainer import JOB, GRPOParts, LearnerConfig, TrainConfig, read_questions, start_cluster, train
+from osvl.storage import publish
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class EvalConfig:
+    n_heldout: int = opt(50, "Held-out questions for greedy Pass@1 after SFT and after GRPO (0 skips it).")
+    concurrency: int = opt(16, "Evaluation episodes in flight.", hashed=False)
+
+
+@dataclass
+class GRPOConfig:
+    """jobs/grpo.py: build or reuse questions, expert trajectories and the SFT'd model, then GRPO."""
+
+    run: RunConfig = opt(RunConfig, "Run root and global seed.")
+    questions: str = opt("", "Synthesize run folder (rl/heldout.parquet + images/); empty = build or reuse the "
+                             "synthesize job's run with the synth section below.")
+    model: str = opt("", "Policy to start from (HF directory); empty = build or reuse expert trajectories "
+                         "(trajectories section) and SFT (sft section) first.")
+    max_questions: int = opt(0, "RL questions used (the first by id); 0 = all of rl.parquet.")
+    synth: dict[str, Any] = opt({}, "Overrides of the synthesize job's config (same keys as jobs/synthesize.py).")
+    trajectories: dict[str, Any] = opt({}, "Overrides of the trajectories job's config (keys of jobs/trajectories.py).")
+    sft: dict[str, Any] = opt({}, "Overrides of the SFT job's config (same keys as jobs/sft.py).")
+    rl: RLConfig = opt(RLConfig, "Fatal-aware GRPO knobs.")
+    rollout: RolloutConfig = opt(RolloutConfig, "Rollout actors and agent budgets.")
+    learner: LearnerConfig = opt(LearnerConfig, "Learner workers.")
+    train: TrainConfig = opt(TrainConfig, "Steps, batch and staleness.")
+    eval: EvalConfig = opt(EvalConfig, "Held-out Pass@1.")
+
+
+def prepare(cfg: GRPOConfig, log: Callable[[str], None] = logger.info) -> tuple[Path, Path]:
+    """(synthesize run folder, policy HF folder): given, or built/reused by the other jobs' library functions."""
+    from osvl.config import upstream_config
+    from osvl.synth import pipeline
+
+    if cfg.questions:
+        qdir = Path(cfg.questions)
+    else:
+        qdir, _ = pipeline.run(upstream_config(pipeline.SynthConfig, pipeline.JOB, cfg.run, cfg.synth), log=log)
+    qdir = qdir.resolve()  # Ray Train workers and actors run in other folders
+    if cfg.model:
+        return qdir, Path(cfg.model).resolve()
+    from osvl.synth import expert
+    from osvl.train import sft
+
+    # the teacher's records must show the policy the tools it will be offered in RL (the system
+    # prompt is part of every SFT row), so rollout.offer is the trajectories job's default
+    tcfg = upstream_config(expert.TrajConfig, expert.JOB, cfg.run,
+                           {"questions": str(qdir), "offer": list(cfg.rollout.offer), **cfg.trajectories})
+    tdir, _ = expert.run(tcfg, log=log)
+    scfg = upstream_config(sft.SftConfig, sft.JOB, cfg.run, cfg.sft)
+    scfg = merge_data(scfg, tdir, qdir)
+    from osvl.config import run_dir
+
+    done = run_dir(scfg, sft.JOB) / "report.json"
+    if done.is_file():
+        model = done.parent / "model"  # not the report's absolute path: the folder may be another node's mirror
+        log(f"sft: reusing {model}")
+        return qdir, model.resolve()
+    return qdir, Path(sft.run(scfg, log=log)["model"]).resolve()
+
+
+def merge_data(scfg: Any, tdir: Path, qdir: Path) -> Any:
+    from osvl.config import merge
+
+    return merge(scfg, {"data": {"trajectories": str(tdir), "heldout": str(qdir / "heldout.parquet")}})
+
+
+def run(cfg: GRPOConfig, log: Callable[[str], None] = logger.info) -> dict[str, Any]:
+    """The whole job (see GRPOConfig); prints a per-step table and a final summary, returns the summary."""
+    from osvl.config import run_dir
+    from osvl.rl.rollout import pass_at_1
+
+    t0 = time.perf_counter()
+    qdir, model = prepare(cfg, log)
+    questions = sorted(read_questions(qdir / "rl.parquet"), key=lambda r: r["id"])
+    if cfg.max_questions:
+        questions = questions[:cfg.max_questions]
+    heldout = sorted(read_questions(qdir / "heldout.parquet"), key=lambda r: r["id"])[:cfg.eval.n_heldout]
+    out = run_dir(cfg, JOB).resolve()
+    start_cluster(cfg.rollout, cfg.learner)  # the evaluations run on the cluster too
+    log(f"grpo: mode {cfg.rl.mode}, {cfg.train.steps} steps x {cfg.train.groups_per_step} groups x G="
+        f"{cfg.rl.group_size}, max_staleness {cfg.train.max_staleness}, {len(questions)} RL questions, "
+        f"policy {model} -> {out}")
+    before = None
+    sft_eval = out / "pass1_sft.json"  # kept, so that a resumed run still reports it
+    if heldout and sft_eval.is_file():
+        before = json.loads(sft_eval.read_text())["pass1"]
+    elif heldout and not (out / "checkpoints").is_dir():
+        before = pass_at_1(model, heldout, qdir / "images", cfg.rollout, cfg.eval.concurrency)
+        log(f"grpo: held-out Pass@1 after SFT (greedy, {len(heldout)} questions): {before:.3f}")
+        sft_eval.write_text(json.dumps({"pass1": before}))
+        publish(out, sft_eval.name)
+    parts = GRPOParts(run=cfg.run, rl=cfg.rl, rollout=cfg.rollout, learner=cfg.learner, train=cfg.train)
+    log(HEADER)
+    with Progress(cfg.train.steps, "grpo", "steps") as bar:
+        def show(row: dict[str, Any]) -> None:
+            log(format_row(row))
+            bar.update(1, reward=row["reward"], fatal=row["fatal_rate"])
+
+        res = train(parts, model, questions, qdir / "images", out, log=log, print_row=show)
+    summary = summarize(res["rows"])
+    after = None
+    grpo_eval = out / "pass1_grpo.json"  # of one checkpoint: a resubmitted finished run does not score it again
+    if heldout and res["checkpoint"]:
+        name = Path(res["checkpoint"]).name
+        if grpo_eval.is_file() and json.loads(grpo_eval.read_text())["checkpoint"] == name:
+            after = json.loads(grpo_eval.read_text())["pass1"]
+        else:
+            after = pass_at_1(Path(res["checkpoint"]) / "hf", heldout, qdir / "images", cfg.rollout,
+                              cfg.eval.concurrency)
+            grpo_eval.write_text(json.dumps({"checkpoint": name, "pass1": after}))
+    st = res["buffer"]
+    summary.update(pass1_sft=before, pass1_grpo=after, seconds=time.perf_counter() - t0, train_s=res["seconds"],
+                   issued=st["issued_total"], consumed=st["consumed"], dropped=st["dropped"],
+                   restarts=res["restarts"], resumed_from=res["resumed_from"], mode=cfg.rl.mode, out=str(out))
+    drops = [e for e in res["events"] if e.startswith("dropped")]
+    log(f"\ngrpo summary ({cfg.rl.mode}): {summary['steps']} steps in {res['seconds']:.0f} s "
+        f"({3600 * summary['steps'] / max(res['seconds'], 1e-9):.0f} steps/hour)")
+    log(f"  mean reward, first 10 steps: {summary['first_mean']:.4f} ± {summary['first_se']:.4f} (SE); "
+        f"last 10: {summary['last_mean']:.4f} ± {summary['last_se']:.4f}; "
+        f"{'higher by more than 2 SE' if summary['improved'] else 'NOT higher by more than 2 SE'}")
+    clamps = MODES[cfg.rl.mode].clamp_fatal
+    applied = "" if clamps else f" ({cfg.rl.mode} does not clamp)"
+    log(f"  clamp split{applied}: of {summary['clamped'] + summary['kept_positive']} fatal trajectories with a "
+        f"non-zero advantage, {summary['clamped']} negative{' -> clamped to 0' if clamps else ''}, "
+        f"{summary['kept_positive']} positive kept"
+        + (f" ({summary['clamped_share']:.1%} / {1 - summary['clamped_share']:.1%})"
+           if summary["clamped"] + summary["kept_positive"] else "")
+        + f"; mean fatal rate {summary['fatal_rate']:.2f}")
+    log(f"  groups: {st['issued_total']} issued, {st['consumed']} trained, {st['dropped']} dropped"
+        + (f" ({'; '.join(drops[:3])})" if drops else "") + f"; staleness of trained groups {st['staleness']}; "
+        f"{len(res['restarts'])} rollout-actor restarts; {summary['skipped']} non-finite steps skipped")
+    shown = ["n/a" if v is None else f"{v:.3f}" for v in (before, after)]
+    log(f"  held-out Pass@1 ({len(heldout)} questions, greedy): after SFT {shown[0]}, after GRPO {shown[1]}")
+    (out / "report.json").write_text(json.dumps(summary, indent=1, default=str))
+    publish(out)
+    return summary
