@@ -2,8 +2,9 @@
 
 Layout::
 
-    HTTP ──► api (FastAPI ingress: auth, body/pixel limits, image codec, status codes)
-                 │ DeploymentHandle
+    HTTP ──► api (FastAPI ingress: auth, body/pixel limits, image codec, status codes;
+                 │  runs the ``inline`` tools -- crop, sharpen, perspective_correct -- itself)
+                 │ DeploymentHandle (every other tool)
                  ▼
              tool_crop, tool_sharpen, ..., tool_super_resolution (@serve.batch), tool_ocr (@serve.batch)
                  ▲
@@ -14,6 +15,12 @@ microseconds, EDSR is a network), so each scales on its own (autoscaling on
 ongoing requests) and only EDSR asks for a GPU. Tool replicas take and return
 ``ToolResult`` objects with numpy arrays, so handle callers skip HTTP and
 base64 entirely; only the ingress converts to and from the wire format.
+Why some tools run in the ingress for HTTP calls (``ServeConfig.inline``): a
+stateless image tool costs a few milliseconds, about what the second hop
+(ingress -> tool replica, arrays pickled both ways) costs, so forwarding it made
+osvl's HTTP slower than a one-deployment app; such calls now take the same hops
+as that app (proxy -> one replica). Model-backed and batched tools (EDSR, OCR)
+and the search tools (their indexes live in their replicas) are forwarded.
 
 Wire formats: a call is either base64 JSON (``{"arguments", "images", "new_image_name"}``,
 what curl users write) or ``multipart/form-data`` (an ``arguments`` JSON part and one
@@ -87,6 +94,10 @@ class ServeConfig:
 
     tools: list[str] = opt([], "Tools to deploy; empty = every tool in osvl.tools.registry.")
     batched: list[str] = opt(["super_resolution", "ocr"], "Tools whose replicas batch requests (@serve.batch).")
+    inline: list[str] = opt(["crop", "sharpen", "perspective_correct"],
+                            "Tools whose HTTP calls the ingress runs itself (handle callers still reach their "
+                            "deployment): stateless image tools cheaper than the hop to a tool replica. "
+                            "Never a batched tool.")
     max_batch_size: int = opt(8, "Largest batch a batched tool replica runs at once.")
     batch_wait_timeout_s: float = opt(0.01, "How long a batched replica waits to fill a batch.")
     max_body_bytes: int = opt(32 * 2**20, "Largest HTTP request body, in bytes (413 above).")
@@ -459,11 +470,12 @@ def _json(raw: bytes, what: str) -> Any:
 @serve.ingress(api)
 class ToolAPI:
     def __init__(self, handles: dict[str, Any], tool_schemas: list[dict[str, Any]], cfg: dict[str, Any],
-                 token_sha256: str = "") -> None:
+                 token_sha256: str = "", inline: dict[str, Tool] | None = None) -> None:
         self.handles = handles
         self.tool_schemas = tool_schemas
         self.cfg = from_dict(ServeConfig, cfg)
         self.token_sha256 = token_sha256  # a digest, so the token is not stored in the app's config
+        self.inline = {name: _ToolReplica(tool, cfg) for name, tool in (inline or {}).items()}
 
     def _authorized(self, request: Request) -> bool:
         if not self.token_sha256:
@@ -567,6 +579,8 @@ class ToolAPI:
                                                f"application/json nor {MULTIPART}"), status=415)
             if name not in self.handles:
                 raise InvalidCall(f"unknown tool {name!r}; known: {sorted(self.handles)}")
+            if name in self.inline:
+                return await self._call_inline(name, raw, header, multipart)
             arguments, images, new_name = await asyncio.to_thread(self._parse, raw, header)
         except InvalidCall as e:
             return _answer(ToolResult.fail("invalid_call", str(e), limit=e.limit))
@@ -581,6 +595,27 @@ class ToolAPI:
         if result.ok and result.images:
             return await asyncio.to_thread(_answer, result, multipart)  # PNG encoding is CPU work
         return _answer(result)
+
+    async def _call_inline(self, name: str, raw: bytes, header: str, multipart: bool) -> Response:
+        """Decode, run and encode in one worker thread of this replica: no second hop, no array pickled.
+
+        Why: for a tool that costs a few milliseconds, the hop ingress -> tool replica (the arrays
+        pickled both ways, a second Serve request) cost as much as the tool and made osvl's HTTP
+        slower than a one-deployment app (``bench/tools.py``). The deadline is the same as for a
+        forwarded call; like an in-process call, a thread past it finishes unobserved.
+        """
+
+        def work() -> Response:
+            try:
+                arguments, images, new_name = self._parse(raw, header)
+            except InvalidCall as e:
+                return _answer(ToolResult.fail("invalid_call", str(e), limit=e.limit))
+            return _answer(self.inline[name]._run(arguments, images, new_name), multipart)
+
+        try:
+            return await asyncio.wait_for(asyncio.to_thread(work), self.cfg.timeout_s)
+        except TimeoutError:
+            return _answer(ToolResult.fail("timeout", f"{name} took longer than {self.cfg.timeout_s:g} s"))
 
 
 # ---------------------------------------------------------------------------
@@ -644,10 +679,16 @@ def make_app(tools: dict[str, Tool], cfg: ServeConfig,
         from osvl.errors import ConfigError
 
         raise ConfigError(f"options for unknown deployments {sorted(overrides)}")
+    both = sorted(set(cfg.inline) & set(cfg.batched))
+    if both:
+        from osvl.errors import ConfigError
+
+        raise ConfigError(f"tools {both} are both inline and batched: an inline call would skip the batch")
     token = os.environ.get(cfg.token_env, "")
     digest = hashlib.sha256(token.encode()).hexdigest() if token else ""
+    inline = {n: tools[n] for n in names if n in cfg.inline}
     return ToolAPI.options(name="api", **api_options).bind(handles, [tools[n].schema for n in names], cfg_dict,
-                                                           digest)
+                                                           digest, inline)
 
 
 def main(argv: list[str] | None = None) -> None:
