@@ -224,6 +224,28 @@ def test_handle_transport_gives_the_same_result_without_http(api, shared_data):
     assert {s["function"]["name"] for s in schemas} >= {"crop", "sharpen"}
 
 
+def test_a_replica_resolves_each_image_ref_once_within_its_byte_budget(ray_cluster, monkeypatch):
+    """Handle callers resend one image ref per call; the replica keeps recent ones, bounded in bytes."""
+    import ray
+
+    import serve.app as app
+    from osvl.tools.registry import all_tools
+
+    monkeypatch.setattr(app, "REF_CACHE_BYTES", 3 * 64 * 64 * 3)  # room for three 64x64 images
+    replica = app._ToolReplica(all_tools()["crop"], {})
+    imgs = [np.full((64, 64, 3), i, np.uint8) for i in range(5)]
+    refs = [ray.put(a) for a in imgs]
+
+    async def resolve(i: int) -> np.ndarray:
+        return (await replica._resolve({"img_1": refs[i], "raw": imgs[i]}))["img_1"]
+
+    for i in (0, 1, 0, 2, 3, 4):
+        assert np.array_equal(asyncio.run(resolve(i)), imgs[i])
+    assert replica._array_bytes <= app.REF_CACHE_BYTES
+    assert list(replica._arrays) == [refs[i].binary() for i in (2, 3, 4)]  # least recently used went first
+    assert asyncio.run(replica._resolve({"img_1": imgs[0]}))["img_1"] is imgs[0]  # arrays pass through
+
+
 # ---------------------------------------------------------------------------
 # bad input: typed 4xx, never a 5xx, the app stays healthy
 
