@@ -138,9 +138,9 @@ class _ToolReplica:
         """Handle callers send images as ObjectRefs; HTTP callers (and unit use) send arrays.
 
         Why a cache: an episode sends the same ``img_1`` ref with every call, and awaiting a borrowed
-        ref asks its owner (the caller's process) where the object is each time: 8 awaits cost
-        ~2.5-6 ms against ~0.3 ms served from here (measured under load). A ref names one immutable
-        value for its whole life, so a hit is never stale. The cached arrays are zero-copy views of
+        ref asks its owner (the caller's process) where the object is, every time, which costs more
+        than a cheap tool (serve/README.md has the figures). A ref names one immutable value for its
+        whole life, so a hit is never stale. The cached arrays are zero-copy views of
         the object store: up to ``REF_CACHE_BYTES`` per replica stay pinned there.
         """
         import ray
