@@ -1,12 +1,15 @@
 """Tool throughput: in-process, Serve deployment handles, HTTP, and a plain Serve app over HTTP.
 
     python bench/tools.py [--seconds=3] [--concurrency=8] [--replicas=2] [--tools=crop,sharpen,...]
+                          [--inline=crop,sharpen,perspective_correct]
 
 Every image tool runs on a 512x512 image (EDSR on 128x128 and 256x256 inputs) with the same
 number of concurrent clients on each transport; each cell is completed calls per second over
 ``--seconds`` after one warm-up call. Transports: ``inprocess`` (the tool function in a thread),
 ``handle`` (the tool's Serve deployment through a handle), ``http`` (the osvl tool API with the
-Python client's default, multipart), ``http_json`` (the same API, base64 JSON) and ``plain``,
+Python client's default, multipart; the ``--inline`` tools run in the ingress, the others are
+forwarded to their tool deployment, see ``ServeConfig.inline``; ``--inline=`` forwards every
+call), ``http_json`` (the same API, base64 JSON) and ``plain``,
 the baseline: a plain one-deployment Serve app (``PlainToolApp``, below: the request a base64
 PNG in JSON, decoded, the registered tool run, the reply encoded the same way, with osvl's own
 PNG codec) with as many replicas as each tool deployment, called over HTTP with base64 JSON.
@@ -143,7 +146,9 @@ def edsr_options() -> dict[str, Any]:
 
 
 def main(argv: list[str]) -> dict[str, Any]:
-    opts = {"seconds": 3.0, "concurrency": 8, "replicas": 2, "tools": ""}
+    from serve.app import ServeConfig, make_app
+
+    opts = {"seconds": 3.0, "concurrency": 8, "replicas": 2, "tools": "", "inline": ",".join(ServeConfig().inline)}
     for arg in argv:
         key, _, value = arg.removeprefix("--").partition("=")
         if key not in opts:
@@ -153,7 +158,6 @@ def main(argv: list[str]) -> dict[str, Any]:
 
     from osvl.cluster import init_ray, start_serve
     from osvl.tools.registry import all_tools
-    from serve.app import ServeConfig, make_app
 
     tools = all_tools()
     rows = [c for c in cases() if c[1] in tools and (not opts["tools"] or c[1] in opts["tools"].split(","))]
@@ -164,8 +168,9 @@ def main(argv: list[str]) -> dict[str, Any]:
     port = start_serve()
     fixed = {"num_replicas": opts["replicas"], "autoscaling_config": None}
     deployments = {"api": fixed, **{"tool_" + n: fixed for n in names}}
-    serve.run(make_app(tools, ServeConfig(tools=names, options=options), deployments), name="osvl_bench",
-              route_prefix="/")
+    inline = [n for n in opts["inline"].split(",") if n in names]
+    serve.run(make_app(tools, ServeConfig(tools=names, options=options, inline=inline), deployments),
+              name="osvl_bench", route_prefix="/")
     serve.run(plain_tool_app({n: tools[n] for n in names}, options, opts["replicas"]), name="plain_bench",
               route_prefix="/plain")
     url = f"http://127.0.0.1:{port}"
@@ -222,6 +227,7 @@ def main(argv: list[str]) -> dict[str, Any]:
                     "same replicas, same client concurrency",
         "handle_over_inprocess": sharpen.get("handle_over_inprocess"),
         "concurrency": opts["concurrency"], "replicas": opts["replicas"], "seconds": opts["seconds"],
+        "inline": inline,
         "calls_per_s": table, "ratios": ratios, "edsr_16_clients": batching,
         "edsr_batched_over_unbatched": round(batching["batched"] / batching["unbatched"], 3) if batching else None,
         "failed_calls": failures,

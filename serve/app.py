@@ -2,8 +2,9 @@
 
 Layout::
 
-    HTTP ──► api (FastAPI ingress: auth, body/pixel limits, image codec, status codes)
-                 │ DeploymentHandle
+    HTTP ──► api (FastAPI ingress: auth, body/pixel limits, image codec, status codes;
+                 │  runs the ``inline`` tools -- crop, sharpen, perspective_correct -- itself)
+                 │ DeploymentHandle (every other tool)
                  ▼
              tool_crop, tool_sharpen, ..., tool_super_resolution (@serve.batch), tool_ocr (@serve.batch)
                  ▲
@@ -14,6 +15,12 @@ microseconds, EDSR is a network), so each scales on its own (autoscaling on
 ongoing requests) and only EDSR asks for a GPU. Tool replicas take and return
 ``ToolResult`` objects with numpy arrays, so handle callers skip HTTP and
 base64 entirely; only the ingress converts to and from the wire format.
+Why some tools run in the ingress for HTTP calls (``ServeConfig.inline``): a
+stateless image tool costs a few milliseconds, about what the second hop
+(ingress -> tool replica, arrays pickled both ways) costs, so forwarding it made
+osvl's HTTP slower than a one-deployment app; such calls now take the same hops
+as that app (proxy -> one replica). Model-backed and batched tools (EDSR, OCR)
+and the search tools (their indexes live in their replicas) are forwarded.
 
 Wire formats: a call is either base64 JSON (``{"arguments", "images", "new_image_name"}``,
 what curl users write) or ``multipart/form-data`` (an ``arguments`` JSON part and one
@@ -56,6 +63,7 @@ import os
 import sys
 import threading
 import time
+from collections import OrderedDict
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -88,6 +96,10 @@ class ServeConfig:
 
     tools: list[str] = opt([], "Tools to deploy; empty = every tool in osvl.tools.registry.")
     batched: list[str] = opt(["super_resolution", "ocr"], "Tools whose replicas batch requests (@serve.batch).")
+    inline: list[str] = opt(["crop", "sharpen", "perspective_correct"],
+                            "Tools whose HTTP calls the ingress runs itself (handle callers still reach their "
+                            "deployment): stateless image tools cheaper than the hop to a tool replica. "
+                            "Never a batched tool.")
     max_batch_size: int = opt(8, "Largest batch a batched tool replica runs at once.")
     batch_wait_timeout_s: float = opt(0.01, "How long a batched replica waits to fill a batch.")
     max_body_bytes: int = opt(32 * 2**20, "Largest HTTP request body, in bytes (413 above).")
@@ -102,6 +114,10 @@ class ServeConfig:
                             "only on nodes that declare it; 0 = none: a laptop's local cluster declares no role "
                             "resources. A Serve config file's ray_actor_options replace the code's: name the "
                             "resource there too.")
+
+
+REF_CACHE_BYTES = 64 * 2**20
+"""Bytes of handle callers' images a tool replica keeps resolved (``_ToolReplica._resolve``)."""
 
 
 class _ToolReplica:
@@ -121,6 +137,40 @@ class _ToolReplica:
 
         self.rec = Recorder("serve", app)  # the tool API serves many runs: its run label is the Serve app
         self._lock = threading.Lock()
+        self._arrays: OrderedDict[bytes, Any] = OrderedDict()  # ObjectRef id -> its array, most recent last
+        self._array_bytes = 0
+
+    async def _resolve(self, images: Any) -> Any:
+        """Handle callers send images as ObjectRefs; HTTP callers (and unit use) send arrays.
+
+        Why a cache: an episode sends the same ``img_1`` ref with every call, and awaiting a borrowed
+        ref asks its owner (the caller's process) where the object is, every time, which costs more
+        than a cheap tool (serve/README.md has the figures). A ref names one immutable value for its
+        whole life, so a hit is never stale. The cached arrays are zero-copy views of
+        the object store: up to ``REF_CACHE_BYTES`` per replica stay pinned there.
+        """
+        import ray
+
+        if not isinstance(images, dict) or not any(isinstance(v, ray.ObjectRef) for v in images.values()):
+            return images
+        out = {}
+        for name, value in images.items():
+            if not isinstance(value, ray.ObjectRef):
+                out[name] = value
+                continue
+            key = value.binary()
+            if key in self._arrays:
+                self._arrays.move_to_end(key)
+                out[name] = self._arrays[key]
+                continue
+            out[name] = arr = await value
+            size = getattr(arr, "nbytes", 0)
+            if key not in self._arrays and size <= REF_CACHE_BYTES:  # another call may have fetched it meanwhile
+                self._arrays[key] = arr
+                self._array_bytes += size
+                while self._array_bytes > REF_CACHE_BYTES:
+                    self._array_bytes -= getattr(self._arrays.popitem(last=False)[1], "nbytes", 0)
+        return out
 
     async def call_many(self, calls: list[tuple[Any, Any, str]]) -> list[ToolResult]:
         """Several calls in one Serve request (``HandleTransport`` groups concurrent calls); each runs
@@ -156,30 +206,13 @@ class _ToolReplica:
         return result
 
 
-async def _resolve(images: Any) -> Any:
-    """Handle callers send images as ObjectRefs (read zero-copy from the object store); HTTP sends arrays."""
-    import ray
-
-    if not isinstance(images, dict) or not any(isinstance(v, ray.ObjectRef) for v in images.values()):
-        return images
-    keys = list(images)
-    values = await asyncio.gather(*[_await_ref(images[k]) for k in keys])
-    return dict(zip(keys, values, strict=True))
-
-
-async def _await_ref(value: Any) -> Any:
-    import ray
-
-    return await value if isinstance(value, ray.ObjectRef) else value
-
-
 @serve.deployment(ray_actor_options={"num_cpus": 0.1}, max_ongoing_requests=8,
                   autoscaling_config={"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 4})
 class ToolDeployment(_ToolReplica):
     """One tool, one call per request; the work runs in a thread so the replica keeps accepting requests."""
 
     async def __call__(self, arguments: Any, images: Any, new_image_name: str = "") -> ToolResult:
-        return await asyncio.to_thread(self._run, arguments, await _resolve(images), new_image_name)
+        return await asyncio.to_thread(self._run, arguments, await self._resolve(images), new_image_name)
 
 
 def _load_edsr(options: dict[str, Any]) -> Any:
@@ -285,7 +318,7 @@ class BatchedToolDeployment(_ToolReplica):
                 self._model = None
 
     async def __call__(self, arguments: Any, images: Any, new_image_name: str = "") -> ToolResult:
-        return await self._batch((arguments, await _resolve(images), new_image_name))
+        return await self._batch((arguments, await self._resolve(images), new_image_name))
 
     def _run_one(self, request: tuple[Any, Any, str], coalescer: _Coalescer | None) -> ToolResult:
         if coalescer is None:
@@ -465,11 +498,12 @@ def _json(raw: bytes, what: str) -> Any:
 @serve.ingress(api)
 class ToolAPI:
     def __init__(self, handles: dict[str, Any], tool_schemas: list[dict[str, Any]], cfg: dict[str, Any],
-                 token_sha256: str = "") -> None:
+                 token_sha256: str = "", inline: dict[str, Tool] | None = None) -> None:
         self.handles = handles
         self.tool_schemas = tool_schemas
         self.cfg = from_dict(ServeConfig, cfg)
         self.token_sha256 = token_sha256  # a digest, so the token is not stored in the app's config
+        self.inline = {name: _ToolReplica(tool, cfg) for name, tool in (inline or {}).items()}
 
     def _authorized(self, request: Request) -> bool:
         if not self.token_sha256:
@@ -573,6 +607,8 @@ class ToolAPI:
                                                f"application/json nor {MULTIPART}"), status=415)
             if name not in self.handles:
                 raise InvalidCall(f"unknown tool {name!r}; known: {sorted(self.handles)}")
+            if name in self.inline:
+                return await self._call_inline(name, raw, header, multipart)
             arguments, images, new_name = await asyncio.to_thread(self._parse, raw, header)
         except InvalidCall as e:
             return _answer(ToolResult.fail("invalid_call", str(e), limit=e.limit))
@@ -587,6 +623,27 @@ class ToolAPI:
         if result.ok and result.images:
             return await asyncio.to_thread(_answer, result, multipart)  # PNG encoding is CPU work
         return _answer(result)
+
+    async def _call_inline(self, name: str, raw: bytes, header: str, multipart: bool) -> Response:
+        """Decode, run and encode in one worker thread of this replica: no second hop, no array pickled.
+
+        Why: for a tool that costs a few milliseconds, the hop ingress -> tool replica (the arrays
+        pickled both ways, a second Serve request) cost as much as the tool and made osvl's HTTP
+        slower than a one-deployment app (``bench/tools.py``). The deadline is the same as for a
+        forwarded call; like an in-process call, a thread past it finishes unobserved.
+        """
+
+        def work() -> Response:
+            try:
+                arguments, images, new_name = self._parse(raw, header)
+            except InvalidCall as e:
+                return _answer(ToolResult.fail("invalid_call", str(e), limit=e.limit))
+            return _answer(self.inline[name]._run(arguments, images, new_name), multipart)
+
+        try:
+            return await asyncio.wait_for(asyncio.to_thread(work), self.cfg.timeout_s)
+        except TimeoutError:
+            return _answer(ToolResult.fail("timeout", f"{name} took longer than {self.cfg.timeout_s:g} s"))
 
 
 # ---------------------------------------------------------------------------
@@ -651,10 +708,16 @@ def make_app(tools: dict[str, Tool], cfg: ServeConfig,
         from osvl.errors import ConfigError
 
         raise ConfigError(f"options for unknown deployments {sorted(overrides)}")
+    both = sorted(set(cfg.inline) & set(cfg.batched))
+    if both:
+        from osvl.errors import ConfigError
+
+        raise ConfigError(f"tools {both} are both inline and batched: an inline call would skip the batch")
     token = os.environ.get(cfg.token_env, "")
     digest = hashlib.sha256(token.encode()).hexdigest() if token else ""
+    inline = {n: tools[n] for n in names if n in cfg.inline}
     return ToolAPI.options(name="api", **api_options).bind(handles, [tools[n].schema for n in names], cfg_dict,
-                                                           digest)
+                                                           digest, inline)
 
 
 def _placed(cls: Any, options: dict[str, Any], cfg: ServeConfig) -> dict[str, Any]:

@@ -224,6 +224,28 @@ def test_handle_transport_gives_the_same_result_without_http(api, shared_data):
     assert {s["function"]["name"] for s in schemas} >= {"crop", "sharpen"}
 
 
+def test_a_replica_resolves_each_image_ref_once_within_its_byte_budget(ray_cluster, monkeypatch):
+    """Handle callers resend one image ref per call; the replica keeps recent ones, bounded in bytes."""
+    import ray
+
+    import serve.app as app
+    from osvl.tools.registry import all_tools
+
+    monkeypatch.setattr(app, "REF_CACHE_BYTES", 3 * 64 * 64 * 3)  # room for three 64x64 images
+    replica = app._ToolReplica(all_tools()["crop"], {})
+    imgs = [np.full((64, 64, 3), i, np.uint8) for i in range(5)]
+    refs = [ray.put(a) for a in imgs]
+
+    async def resolve(i: int) -> np.ndarray:
+        return (await replica._resolve({"img_1": refs[i], "raw": imgs[i]}))["img_1"]
+
+    for i in (0, 1, 0, 2, 3, 4):
+        assert np.array_equal(asyncio.run(resolve(i)), imgs[i])
+    assert replica._array_bytes <= app.REF_CACHE_BYTES
+    assert list(replica._arrays) == [refs[i].binary() for i in (2, 3, 4)]  # least recently used went first
+    assert asyncio.run(replica._resolve({"img_1": imgs[0]}))["img_1"] is imgs[0]  # arrays pass through
+
+
 # ---------------------------------------------------------------------------
 # bad input: typed 4xx, never a 5xx, the app stays healthy
 
@@ -250,10 +272,19 @@ def _bad_requests(shared_data: Path) -> list[tuple[str, str, bytes, int] | tuple
         ("multipart: 20000x20000 PNG part",
          *encode_multipart([args, ("img_1", "image/png", bomb_png(20_000, 20_000))]), 413),
         ("multipart: duplicate part", *encode_multipart([args, args, png]), 422),
+        ("multipart: part without a name", whole.replace(b'form-data; name="img_1"', b"form-data"), whole_type, 422),
+        ("multipart: header line without a colon", whole.replace(b"Content-Type: image/png", b"Content-Type image/png"),
+         whole_type, 422),
+        ("multipart: new_image_name not UTF-8",
+         *encode_multipart([args, ("new_image_name", "text/plain", b"\xff\xfe"), png]), 422),
         ("wrong content type: text/plain", json.dumps({"arguments": crop}).encode(), "text/plain", 415),
         ("wrong content type: a raw PNG", png[2], "image/png", 415),
+        ("wrong content type: none", json.dumps({"arguments": crop}).encode(), "", 415),
     ]
-    return [(why, "crop", data, expected, ctype) for why, data, ctype, expected in multipart] + [
+    # crop is run by the ingress itself (ServeConfig.inline), ocr is forwarded to its batched replica:
+    # both paths parse and refuse the same way
+    return [(why + f" ({tool})", tool, data, expected, ctype) for why, data, ctype, expected in multipart
+            for tool in ("crop", "ocr")] + [
         ("invalid base64", "crop", json.dumps({"arguments": crop, "images": {"img_1": "@@not base64@@"}}).encode(),
          422),
         ("non-image bytes", "crop", json.dumps({"arguments": crop, "images": {
@@ -318,12 +349,13 @@ def test_auth_token_is_required_when_configured(ray_cluster, api, shared_data, m
         serve.delete("osvl_tools_auth")
 
 
-def test_a_call_past_the_deadline_is_a_504_timeout(ray_cluster, api):
+@pytest.mark.parametrize("inline", [["sharpen"], []], ids=["inline", "forwarded"])
+def test_a_call_past_the_deadline_is_a_504_timeout(ray_cluster, api, inline):
     from ray import serve
 
     from serve.app import build_app
 
-    serve.run(build_app({"tools": ["sharpen"], "timeout_s": 0.05}), name="osvl_tools_deadline",
+    serve.run(build_app({"tools": ["sharpen"], "timeout_s": 0.05, "inline": inline}), name="osvl_tools_deadline",
               route_prefix="/deadline")
     try:
         img = np.random.default_rng(0).integers(0, 256, (1024, 1024, 3), dtype=np.uint8)

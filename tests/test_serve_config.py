@@ -55,3 +55,14 @@ def test_gpu_overlay_only_moves_edsr_to_a_gpu_share():
     assert gpu == cpu
     assert not any("num_gpus" in d.get("ray_actor_options", {}) for d in copy.deepcopy(cpu)["applications"][0][
         "deployments"])
+
+
+def test_an_inline_tool_cannot_also_be_batched():
+    """An inline HTTP call runs in the ingress and would skip the tool replica's batch."""
+    from osvl.errors import ConfigError
+    from osvl.tools.registry import all_tools
+    from serve.app import ServeConfig, make_app
+
+    with pytest.raises(ConfigError, match="both inline and batched"):
+        make_app(all_tools(), ServeConfig(tools=["crop", "sharpen"], batched=["sharpen"], inline=["crop", "sharpen"]))
+    make_app(all_tools(), ServeConfig(tools=["crop"], batched=["sharpen"], inline=["crop"]))  # no overlap: fine

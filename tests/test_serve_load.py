@@ -31,7 +31,8 @@ def api(ray_cluster):
 
     port = start_serve()
     fixed = {"num_replicas": 2, "autoscaling_config": None}
-    app = make_app(all_tools(), ServeConfig(tools=["sharpen"]), {"tool_sharpen": fixed, "api": fixed})
+    # inline=[]: every call crosses the ingress -> tool replica hop, the one a replica kill interrupts
+    app = make_app(all_tools(), ServeConfig(tools=["sharpen"], inline=[]), {"tool_sharpen": fixed, "api": fixed})
     serve.run(app, name=APP, route_prefix="/")
     yield f"http://127.0.0.1:{port}"
     serve.shutdown()
