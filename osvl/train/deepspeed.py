@@ -23,6 +23,7 @@ Choices and why:
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -73,6 +74,13 @@ def init_engine(model, optimizer, lr_scheduler, config: dict[str, Any]):
         os.environ.setdefault("RANK", "0")
         os.environ.setdefault("WORLD_SIZE", "1")
         os.environ.setdefault("LOCAL_RANK", "0")
+    # DeepSpeed builds its CPU ops (shm_comm) with the first `ninja` on PATH into one cache per user. A
+    # system ninja 1.11 and the venv's 1.13 write incompatible build logs, so processes that find
+    # different ones (a test run vs a Ray job's workers) rebuilt the op every time, 1-2 min each: use
+    # the ninja installed beside this interpreter whenever there is one.
+    venv_bin = os.path.dirname(sys.executable)
+    if os.path.exists(os.path.join(venv_bin, "ninja")) and not os.environ.get("PATH", "").startswith(venv_bin):
+        os.environ["PATH"] = venv_bin + os.pathsep + os.environ.get("PATH", "")
     deepspeed.init_distributed(dist_backend=dist.get_backend() if dist.is_initialized() else None)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=lr_scheduler,
                                            config=config)
