@@ -146,3 +146,40 @@ def training_curves(log_file: str | Path, panels: list[tuple[str, list[str]]], o
         fig.savefig(tmp, dpi=90, format="png")
     plt.close(fig)
     return Path(out)
+
+
+def reward_curves(curves: dict[str, list[list[float]]], path: str | Path,
+                  title: str = "GRPO reward per step") -> Path:
+    """One line per mode: the mean over seeds of each step's reward, shaded ± one standard error.
+
+    ``curves[mode]`` holds one list of per-step rewards per seed (equal lengths); one seed draws no band.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.0, 3.6))
+    for mode, runs in curves.items():
+        steps = min(len(r) for r in runs)
+        means, ses = [], []
+        for i in range(steps):
+            xs = [r[i] for r in runs]
+            m = sum(xs) / len(xs)
+            var = sum((x - m) ** 2 for x in xs) / (len(xs) - 1) if len(xs) > 1 else 0.0
+            means.append(m)
+            ses.append(math.sqrt(var / len(xs)))
+        x = list(range(1, steps + 1))
+        ax.plot(x, means, label=f"{mode} ({len(runs)} seeds)")
+        low = [m - s for m, s in zip(means, ses, strict=True)]
+        ax.fill_between(x, low, [m + s for m, s in zip(means, ses, strict=True)], alpha=0.2)
+    ax.set_xlabel("learner step")
+    ax.set_ylabel("mean reward")
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

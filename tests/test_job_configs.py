@@ -43,10 +43,13 @@ def test_grpo_demo_profile_keeps_its_episode_budgets_and_reward():
     assert (prod.rollout.agent.max_turns, prod.rollout.agent.max_new_tokens) == (16, 1024)
 
 
-def test_rollout_check_refuses_an_llm_judge_and_bad_budgets():
-    cfg = parse_args(GRPOConfig, JOB, ["--rollout.reward.judge=llm"])
-    with pytest.raises(ConfigError, match="rollout.reward.judge"):
-        cfg.rollout.check()
+def test_rollout_check_asks_an_llm_judge_for_its_endpoint_and_refuses_bad_budgets():
+    for flag in ("--rollout.reward.judge=llm", "--rollout.reward.judge=rule_then_llm",
+                 "--rollout.reward.query_scorer=llm"):
+        with pytest.raises(ConfigError, match="rollout.judge needs base_url and model"):
+            parse_args(GRPOConfig, JOB, [flag]).rollout.check()
+        parse_args(GRPOConfig, JOB, [flag, "--rollout.judge.base_url=http://127.0.0.1:9/v1",
+                                     "--rollout.judge.model=judge"]).rollout.check()
     with pytest.raises(ConfigError, match="max_turns"):
         parse_args(GRPOConfig, JOB, ["--rollout.agent.max_turns=0"]).rollout.check()
 

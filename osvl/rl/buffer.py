@@ -166,8 +166,10 @@ class TrajectoryBuffer:
                 self._drop(s, f"episode_error: {error}")
             elif s.staleness > self.max_staleness:
                 self._drop(s, f"stale: oldest turn version {oldest} for step {s.work.step}")
-            elif any(getattr(tr, "judge_status", "ok") == "failed" for tr in group):
-                self._drop(s, "judge_failed: the answer judge was unreachable for a sample of the group")
+            elif failed := [tr for tr in group if getattr(tr, "judge_status", "ok") == "failed"]:
+                why = next((e for e in getattr(failed[0], "events", []) if e.startswith("judge_failed:")), "")
+                self._drop(s, f"judge_failed: {len(failed)} of {len(group)} samples could not be judged"
+                              + (f" ({why.removeprefix('judge_failed:')[:200]})" if why else ""))
             elif not group:
                 self._drop(s, "empty group")
             else:
@@ -260,7 +262,9 @@ class TrajectoryBuffer:
         stale = Counter(s.staleness for s in self.slots.values() if s.state in ("ready", "consumed"))
         return {"version": self.version, "issued_total": self.next_slot, "ready": states["ready"],
                 "in_flight": states["issued"], "consumed": states["consumed"], "dropped": states["dropped"],
-                "reissue_queue": len(self.reissue), "staleness": dict(sorted(stale.items()))}
+                "reissue_queue": len(self.reissue), "staleness": dict(sorted(stale.items())),
+                "dropped_by_reason": dict(Counter(s.reason.split(":")[0] for s in self.slots.values()
+                                                  if s.state == "dropped"))}
 
     def ledger(self) -> dict[str, dict[str, Any]]:
         """Every issued group id with its state, owner, attempts and drop reason (the exactly-once audit)."""

@@ -38,7 +38,7 @@ from osvl.agent.fatal import MaskStart
 from osvl.agent.loop import AgentConfig
 from osvl.agent.reward import RewardConfig
 from osvl.config import opt
-from osvl.errors import ConfigError
+from osvl.endpoint import EndpointConfig
 
 
 @dataclass
@@ -65,16 +65,21 @@ class RolloutConfig:
     agent: AgentConfig = opt(AgentConfig, "Budgets and fatal-step rules of every episode (the section the "
                              "trajectories job's agent: is).")
     reward: RewardConfig = opt(RewardConfig, "How every episode is scored (the section the trajectories job's "
-                               "reward: is); reward.prefix_end is set from rl.mask_at; the rule judge only.")
+                               "reward: is); reward.prefix_end is set from rl.mask_at. An LLM judge "
+                               "(reward.judge llm or rule_then_llm, reward.query_scorer llm) is asked at judge:.")
+    judge: EndpointConfig = opt(EndpointConfig, "Endpoint of the LLM answer/process judge, when reward asks for one "
+                                "(the trajectories job's judge: section). A group with a sample it cannot judge "
+                                "after the client's retries is dropped with reason judge_failed, never scored 0.")
     weight_poll_s: float = opt(10.0, "Long-poll timeout of the weight store, seconds.", hashed=False)
 
     def check(self) -> None:
         self.agent.check()
         self.reward.check()
-        # an LLM judge needs an endpoint and a failure policy per group, which the rollout actors do not have
-        if self.reward.judge != "rule" or self.reward.query_scorer != "rule":
-            raise ConfigError("rollout.reward.judge and rollout.reward.query_scorer must be 'rule' in GRPO, got "
-                              f"{self.reward.judge!r} and {self.reward.query_scorer!r}")
+        if self.needs_llm_judge():
+            self.judge.check("rollout.judge")
+
+    def needs_llm_judge(self) -> bool:
+        return self.reward.judge != "rule" or self.reward.query_scorer == "llm"
 
     def episode_agent(self, greedy: bool = False) -> AgentConfig:
         """The agent section as an episode runs it: temperature 0 for evaluation."""
@@ -114,6 +119,7 @@ class RolloutWorker:
         self.tools = offered_tools(cfg.offer, cfg.schemas)
         self.rec = recorder
         self.client = self._client()
+        self.llm_judge, self.process_judge = self._judges()
         self.agent_cfg = cfg.episode_agent()
         self.stats = ActorStats()
         self._version_event: asyncio.Event | None = None
@@ -128,6 +134,21 @@ class RolloutWorker:
         if self.cfg.tool_latency_s > 0 or self.rec is not None:
             client = MeteredClient(client, self.cfg.tool_latency_s, self.rec)
         return client
+
+    def _judges(self) -> tuple[Any, Any]:
+        """The LLM judges ``rollout.reward`` asks for, on one endpoint client (None where the rule scores).
+
+        Their verdict cache lives in memory for the actor's life: the G samples of a group that give the
+        same answer, and a question asked again at a later step, ask the endpoint once.
+        """
+        if not self.cfg.needs_llm_judge():
+            return None, None
+        from osvl.agent.engines.openai import OpenAIChatEngine
+        from osvl.agent.judge import LLMJudge
+        from osvl.agent.reward import ProcessJudge
+
+        engine = OpenAIChatEngine(self.cfg.judge, cut=False)
+        return LLMJudge(engine), ProcessJudge(engine)
 
     # -- metrics (osvl/metrics.py; skipped when the actor was built without a recorder) ----------
 
@@ -206,7 +227,8 @@ class RolloutWorker:
             self._record_episode(traj)
         self._save_images(traj, store)
         scoring = dataclasses.replace(self.cfg.reward, prefix_end=self.mask_at)
-        return await score_trajectory(traj, row, scoring)
+        # a judge that stays unreachable marks the sample (judge_status="failed"); the buffer drops its group
+        return await score_trajectory(traj, row, scoring, llm_judge=self.llm_judge, process_judge=self.process_judge)
 
     def _save_images(self, traj: Any, arrays: dict) -> None:
         """Write the episode's images (question + tool-made) once by hash where the learner reads them."""

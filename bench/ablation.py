@@ -1,0 +1,155 @@
+"""The four GRPO modes compared: same SFT'd model, same questions, same steps, N seeds each.
+
+Every run is the GRPO job's own machinery (``osvl.rl.job.prepare`` builds or reuses the
+questions and the SFT'd model once, as ``jobs/grpo.py`` does; ``train`` runs each mode and
+seed; ``pass_at_1`` scores the held-out questions greedily), so the modes share one
+environment (rollout budgets, fatal rule, reward and judges, buffer) and differ only in
+``rl.mode`` (README, "Fatal-aware asynchronous GRPO"). Seed s is the same for every mode: the
+same question order and sampling seeds, and the model they all start from is the one the
+demo's seed builds.
+
+Per mode, over seeds (mean and standard error; a single seed has no error):
+
+- ``reward_last10``: mean reward of the last 10 learner steps;
+- ``pass1``: held-out Pass@1 (greedy, rule judge) after GRPO, beside the SFT model's (``pass1_sft``,
+  measured once: greedy, so the same for every mode and seed);
+- ``fatal_rate``: mean share of fatal trajectories per step;
+- ``fatal_positive``: of the fatal trajectories with a non-zero advantage, the share whose advantage
+  was positive (before any clamp: counted in every mode, the README's "clamp split").
+
+    .venv/bin/python bench/ablation.py [--steps=40] [--seeds=3] [--modes=vanilla,fatal_mask_clamp]
+                                       [--scripted] [--section.key=value ...]
+
+``--scripted`` starts from the tiny agent checkpoint of ``osvl.agent.scripted`` on its own picture
+questions (no data or SFT to build: the smoke run); other flags are the GRPO job's (``jobs/grpo.py
+--help``), e.g. ``--eval.n_heldout=100``. Writes ``ablation_rewards.png`` (reward per step, mean ±
+SE per mode) into the run root's ``ablation/`` folder. Last stdout line: JSON with every figure and
+``ratio`` = Pass@1 of ``fatal_mask_clamp`` over ``vanilla`` (null, with a note, when vanilla's is 0).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+MODES = ("vanilla", "hard_mask", "fatal_mask", "fatal_mask_clamp")
+BENCH_FLAGS = ("--steps=", "--seeds=", "--modes=", "--scripted")
+
+
+def mean_se(xs: list[float]) -> dict[str, float | None]:
+    xs = [x for x in xs if x == x]  # a seed without a figure (nan) is left out
+    if not xs:
+        return {"mean": None, "se": None, "n": 0}
+    m = sum(xs) / len(xs)
+    se = (sum((x - m) ** 2 for x in xs) / (len(xs) - 1) / len(xs)) ** 0.5 if len(xs) > 1 else None
+    return {"mean": m, "se": se, "n": len(xs)}
+
+
+def one_run(cfg, mode: str, seed: int, model: Path, qdir: Path, questions: list[dict], heldout: list[dict],
+            root: Path) -> dict:
+    from osvl.rl.report import summarize
+    from osvl.rl.rollout import pass_at_1
+    from osvl.rl.trainer import GRPOParts, train
+
+    run = dataclasses.replace(cfg.run, seed=seed)
+    rl = dataclasses.replace(cfg.rl, mode=mode)
+    parts = GRPOParts(run=run, rl=rl, rollout=cfg.rollout, learner=cfg.learner, train=cfg.train)
+    out = root / f"{mode}-s{seed}"
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    res = train(parts, model, questions, qdir / "images", out, log=lambda m: None)
+    s = summarize(res["rows"])
+    pass1 = float("nan")
+    if heldout and res["checkpoint"]:
+        pass1 = pass_at_1(Path(res["checkpoint"]) / "hf", heldout, qdir / "images", cfg.rollout,
+                          cfg.eval.concurrency)
+    split = s["clamped"] + s["kept_positive"]
+    return {"mode": mode, "seed": seed, "rewards": [r["reward"] for r in res["rows"]], "reward_last10": s["last_mean"],
+            "pass1": pass1, "fatal_rate": s["fatal_rate"],
+            "fatal_positive": s["kept_positive"] / split if split else float("nan"),
+            "dropped": res["buffer"]["dropped"], "seconds": time.perf_counter() - t0}
+
+
+def main() -> None:
+    from osvl.cluster import init_ray
+    from osvl.config import parse_args, run_dir
+    from osvl.plots import reward_curves
+    from osvl.rl.job import JOB, GRPOConfig, prepare
+    from osvl.rl.rollout import pass_at_1
+    from osvl.rl.trainer import read_questions
+
+    args = sys.argv[1:]
+    flag = {a.split("=", 1)[0][2:]: a.split("=", 1)[1] if "=" in a else "1" for a in args
+            if a.startswith(BENCH_FLAGS)}
+    steps, seeds = int(flag.get("steps", 40)), int(flag.get("seeds", 3))
+    modes = flag["modes"].split(",") if "modes" in flag else list(MODES)
+    tmp = tempfile.TemporaryDirectory(prefix="osvl-bench-ablation-")
+    extra = [f"--train.steps={steps}", "--train.ckpt_every=100000"]
+    if "scripted" in flag:
+        from bench.grpo import scripted_questions
+        from osvl.agent.scripted import tiny_agent_checkpoint
+
+        qdir = Path(tmp.name) / "questions"
+        schemas = scripted_questions(qdir)
+        extra += [f"--questions={qdir}", f"--model={tiny_agent_checkpoint()}", "--rollout.offer=crop,text_search",
+                  f"--rollout.schemas={schemas}", "--rollout.agent.max_turns=3", "--rollout.agent.max_new_tokens=64",
+                  "--rollout.agent.max_episode_tokens=2048", "--rl.group_size=2"]
+    cfg = parse_args(GRPOConfig, JOB, extra + [a for a in args if not a.startswith(BENCH_FLAGS)])
+    cfg.rollout.check()
+    init_ray(num_cpus=max(3, int(cfg.rollout.num_actors * cfg.rollout.cpus_per_actor) + 2))
+    qdir, model = prepare(cfg, log=lambda m: print(m, flush=True))  # built once, reused by every mode and seed
+    questions = sorted(read_questions(qdir / "rl.parquet"), key=lambda r: r["id"])
+    if cfg.max_questions:
+        questions = questions[:cfg.max_questions]
+    heldout = sorted(read_questions(qdir / "heldout.parquet"), key=lambda r: r["id"])[:cfg.eval.n_heldout]
+    out = run_dir(dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, name="")), "ablation")
+    pass1_sft = pass_at_1(model, heldout, qdir / "images", cfg.rollout, cfg.eval.concurrency) if heldout else None
+    print(f"ablation: {len(modes)} modes x {seeds} seeds x {steps} steps, {len(questions)} RL questions, "
+          f"{len(heldout)} held-out; policy {model}; held-out Pass@1 after SFT {pass1_sft}", flush=True)
+    runs = []
+    for seed in range(seeds):
+        for mode in modes:
+            r = one_run(cfg, mode, seed, model, qdir, questions, heldout, Path(tmp.name) / "runs")
+            runs.append(r)
+            print(f"  {mode:17s} seed {seed}: reward last 10 {r['reward_last10']:.4f}, Pass@1 {r['pass1']:.3f}, "
+                  f"fatal rate {r['fatal_rate']:.3f}, fatal with A>0 {r['fatal_positive']:.3f}, "
+                  f"{r['dropped']} groups dropped, {r['seconds']:.0f} s (load {os.getloadavg()[0]:.1f})", flush=True)
+    table = {}
+    for mode in modes:
+        mine = [r for r in runs if r["mode"] == mode]
+        table[mode] = {k: mean_se([r[k] for r in mine])
+                       for k in ("reward_last10", "pass1", "fatal_rate", "fatal_positive")}
+        row = ", ".join(f"{k} {_fmt(v)}" for k, v in table[mode].items())
+        print(f"{mode:17s} {row}", flush=True)
+    png = reward_curves({m: [r["rewards"] for r in runs if r["mode"] == m] for m in modes},
+                        out / "ablation_rewards.png", title=f"GRPO reward per step ({seeds} seeds per mode)")
+    print(f"reward curves: {png}", flush=True)
+    van = table.get("vanilla", {}).get("pass1", {}).get("mean")
+    clamp = table.get("fatal_mask_clamp", {}).get("pass1", {}).get("mean")
+    ratio, note = None, ""
+    if van is None or clamp is None:
+        note = "ratio needs held-out Pass@1 of both vanilla and fatal_mask_clamp"
+    elif van == 0:
+        note = f"vanilla's held-out Pass@1 is 0 (fatal_mask_clamp's: {clamp:.3f}): the ratio is undefined"
+    else:
+        ratio = round(clamp / van, 3)
+    tmp.cleanup()
+    print(json.dumps({"ratio": ratio, "note": note, "steps": steps, "seeds": seeds, "pass1_sft": pass1_sft,
+                      "heldout": len(heldout), "modes": table, "png": str(png), "load": os.getloadavg()[0]}))
+
+
+def _fmt(v: dict) -> str:
+    if v["mean"] is None:
+        return "n/a"
+    return f"{v['mean']:.4f}" + (f" ± {v['se']:.4f}" if v["se"] is not None else " (1 seed)")
+
+
+if __name__ == "__main__":
+    main()
