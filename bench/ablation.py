@@ -93,11 +93,10 @@ def main() -> None:
     tmp = tempfile.TemporaryDirectory(prefix="osvl-bench-ablation-")
     extra = [f"--train.steps={steps}", "--train.ckpt_every=100000"]
     if "scripted" in flag:
-        from bench.grpo import scripted_questions
-        from osvl.agent.scripted import tiny_agent_checkpoint
+        from osvl.agent.scripted import question_folder, tiny_agent_checkpoint
 
         qdir = Path(tmp.name) / "questions"
-        schemas = scripted_questions(qdir)
+        schemas = question_folder(qdir) / "schemas.json"
         extra += [f"--questions={qdir}", f"--model={tiny_agent_checkpoint()}", "--rollout.offer=crop,text_search",
                   f"--rollout.schemas={schemas}", "--rollout.agent.max_turns=3", "--rollout.agent.max_new_tokens=64",
                   "--rollout.agent.max_episode_tokens=2048", "--rl.group_size=2"]

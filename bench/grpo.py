@@ -98,32 +98,10 @@ def measure(staleness: int, steps: int, model: Path, qdir: Path, questions: list
             "cores": meter.cores(t0, t1), "load": os.getloadavg()[0]}
 
 
-def scripted_questions(qdir: Path) -> Path:
-    """The tiny agent checkpoint's own questions as a synthesize-shaped folder (rl.parquet, heldout.parquet
-    with the same rows, images/) and the short tool descriptions it was fine-tuned with; returns their path."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-    from PIL import Image
-
-    from osvl.agent.scripted import PLANS, agent_tools, picture
-
-    (qdir / "images").mkdir(parents=True)
-    rows = []
-    for i, (question, answer, *_) in enumerate(PLANS):
-        Image.fromarray(picture(i)).save(qdir / "images" / f"pic{i}.png")
-        rows.append({"id": f"q{i}", "question": question, "answer": answer, "answer_aliases": [],
-                     "images": [f"pic{i}.png"], "path": [{"title": answer}]})
-    for split in ("rl", "heldout"):
-        pq.write_table(pa.Table.from_pylist(rows), qdir / f"{split}.parquet")
-    schemas = qdir / "schemas.json"
-    schemas.write_text(json.dumps([t.schema for t in agent_tools().values()]))
-    return schemas
-
-
 def main() -> None:
     import ray
 
-    from osvl.agent.scripted import tiny_agent_checkpoint
+    from osvl.agent.scripted import question_folder, tiny_agent_checkpoint
     from osvl.cluster import init_ray
     from osvl.rl.trainer import read_questions
 
@@ -137,7 +115,7 @@ def main() -> None:
         # the agent checkpoint's own questions, pictures and (short) tool descriptions: it calls
         # crop and text_search, each answered after the simulated 200 ms
         qdir = Path(tmp) / "questions"
-        schemas = scripted_questions(qdir)
+        schemas = question_folder(qdir) / "schemas.json"
         questions = read_questions(qdir / "rl.parquet")
         for staleness in (0, 2):
             r = measure(staleness, steps, model, qdir, questions, Path(tmp), schemas, meter)

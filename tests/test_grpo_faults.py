@@ -21,8 +21,6 @@ import threading
 import time
 from pathlib import Path
 
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 
 from osvl.agent.loop import AgentConfig
@@ -37,24 +35,11 @@ REPO = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def questions_dir(tmp_path_factory) -> Path:
-    """A synthesize-shaped folder (rl/heldout.parquet + images/) with the agent's own picture questions."""
-    from PIL import Image
+    """A synthesize-shaped folder (rl/heldout.parquet + images/ + schemas.json) with the agent's own picture
+    questions."""
+    from osvl.agent.scripted import question_folder
 
-    from osvl.agent.scripted import PLANS, agent_tools, picture
-
-    out = tmp_path_factory.mktemp("questions")
-    (out / "images").mkdir()
-    rows = []
-    for i, (question, answer, *_) in enumerate(PLANS):
-        name = f"pic{i}.png"
-        Image.fromarray(picture(i)).save(out / "images" / name)
-        rows.append({"id": f"q{i}", "question": question, "answer": answer, "answer_aliases": [],
-                     "images": [name], "path": [{"title": answer}]})
-    for split in ("rl", "heldout"):
-        pq.write_table(pa.Table.from_pylist(rows), out / f"{split}.parquet")
-    # the short tool descriptions the agent checkpoint was fine-tuned with (it fails on the long ones)
-    (out / "schemas.json").write_text(json.dumps([t.schema for t in agent_tools().values()]))
-    return out
+    return question_folder(tmp_path_factory.mktemp("questions"))
 
 
 @pytest.fixture(scope="module")

@@ -15,8 +15,6 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 
 from osvl.agent.loop import AgentConfig
@@ -36,21 +34,9 @@ WRONG = "Zzyzx Nowhere"  # every question's reference answer: no answer of the a
 @pytest.fixture(scope="module")
 def questions_dir(tmp_path_factory) -> Path:
     """The scripted agent's picture questions (it answers them), with a reference answer it never gives."""
-    from PIL import Image
+    from osvl.agent.scripted import question_folder
 
-    from osvl.agent.scripted import PLANS, agent_tools, picture
-
-    out = tmp_path_factory.mktemp("questions")
-    (out / "images").mkdir()
-    rows = []
-    for i, (question, answer, *_) in enumerate(PLANS):
-        name = f"pic{i}.png"
-        Image.fromarray(picture(i)).save(out / "images" / name)
-        rows.append({"id": f"q{i}", "question": question, "answer": WRONG, "answer_aliases": [],
-                     "images": [name], "path": [{"title": answer}]})
-    pq.write_table(pa.Table.from_pylist(rows), out / "rl.parquet")
-    (out / "schemas.json").write_text(json.dumps([t.schema for t in agent_tools().values()]))
-    return out
+    return question_folder(tmp_path_factory.mktemp("questions"), answer=WRONG)
 
 
 @pytest.fixture(scope="module")

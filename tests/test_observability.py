@@ -95,26 +95,6 @@ def _ready(base: str) -> bool:
         return False
 
 
-def _picture_questions(out: Path) -> Path:
-    """A synthesize-shaped folder (rl.parquet + images/) with the scripted agent's picture questions."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-    from PIL import Image
-
-    from osvl.agent.scripted import PLANS, agent_tools, picture
-
-    (out / "images").mkdir(parents=True)
-    rows = []
-    for i, (question, answer, *_) in enumerate(PLANS):
-        Image.fromarray(picture(i)).save(out / "images" / f"pic{i}.png")
-        rows.append({"id": f"q{i}", "question": question, "answer": answer, "answer_aliases": [],
-                     "images": [f"pic{i}.png"], "path": [{"title": answer}]})
-    for split in ("rl", "heldout"):
-        pq.write_table(pa.Table.from_pylist(rows), out / f"{split}.parquet")
-    (out / "schemas.json").write_text(json.dumps([t.schema for t in agent_tools().values()]))
-    return out
-
-
 def _stop_group(proc: subprocess.Popen, tmp: Path) -> None:
     """Stop the job's process group, then whatever of its cluster still runs (found by its own Ray temp dir)."""
     import psutil
@@ -157,7 +137,9 @@ def test_prometheus_scrapes_a_grpo_job_by_osvl_labels_and_fires_the_fatal_rate_a
     prom = subprocess.Popen([prometheus, f"--config.file={tmp / 'prometheus.yml'}",
                              f"--web.listen-address=127.0.0.1:{port}", f"--storage.tsdb.path={tmp / 'tsdb'}"],
                             stdout=subprocess.DEVNULL, stderr=(tmp / "prometheus.log").open("w"))
-    questions = _picture_questions(tmp_path / "questions")
+    from osvl.agent.scripted import question_folder
+
+    questions = question_folder(tmp_path / "questions")
     ready = time.time() + 120
     while not _ready(base) and time.time() < ready and prom.poll() is None:
         time.sleep(1)

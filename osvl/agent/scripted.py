@@ -92,6 +92,29 @@ def picture(i: int) -> np.ndarray:
     return img
 
 
+def question_folder(out: Path, answer: str | None = None) -> Path:
+    """The scripted questions as a synthesize-shaped folder: ``rl.parquet`` and ``heldout.parquet`` (the same
+    rows), ``images/`` and ``schemas.json`` (the short tool descriptions the agent checkpoint was
+    fine-tuned with: it fails on the long ones). ``answer`` replaces every reference answer (a judge test's
+    wrong reference). Returns ``out``."""
+    import json
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from PIL import Image
+
+    (out / "images").mkdir(parents=True, exist_ok=True)
+    rows = []
+    for i, (question, right, *_) in enumerate(PLANS):
+        Image.fromarray(picture(i)).save(out / "images" / f"pic{i}.png")
+        rows.append({"id": f"q{i}", "question": question, "answer": answer or right, "answer_aliases": [],
+                     "images": [f"pic{i}.png"], "path": [{"title": right}]})
+    for split in ("rl", "heldout"):
+        pq.write_table(pa.Table.from_pylist(rows), out / f"{split}.parquet")
+    (out / "schemas.json").write_text(json.dumps([t.schema for t in agent_tools().values()]))
+    return out
+
+
 def agent_tools() -> dict[str, Any]:
     """The real crop and text_search tools, offered with one-line schemas.
 
