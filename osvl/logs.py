@@ -37,6 +37,11 @@ class _Handler(logging.StreamHandler):
     """Writes to stdout through ``tqdm.write`` while a bar is drawn, so a log line does not tear the bar."""
 
     def emit(self, record: logging.LogRecord) -> None:
+        # Ray's and DeepSpeed's info lines (Ray Train reports every checkpoint at INFO, under a file-path
+        # logger name) drown the job's own; --log_level=debug shows them
+        if record.levelno == logging.INFO and logging.getLogger().level > logging.DEBUG \
+                and (record.name.split(".")[0] in ("ray", "deepspeed") or "site-packages" in record.name):
+            return
         try:
             msg = self.format(record)
             if Progress.active:
