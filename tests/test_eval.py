@@ -351,3 +351,33 @@ def test_an_eval_run_root_in_a_bucket_holds_the_report_and_resumes_from_it(tmp_p
     again = subprocess.run(cmd, env=env, cwd=tmp_path / "cwd", capture_output=True, text=True, timeout=300)
     assert again.returncode == 0, again.stderr[-3000:]
     assert "2 items already scored" in again.stdout and "0 to go" in again.stdout
+
+
+def test_the_format_checks_client_answers_a_tool_call_without_running_it():
+    """The first-turn check's client answers a parsed tool call with an ok result that runs nothing (the demo
+    crashed here once the SFT'd policy's first turn became a tool call)."""
+    import asyncio
+
+    import numpy as np
+
+    from osvl import chat
+    from osvl.agent.evaluate import evaluate_item
+    from osvl.agent.loop import AgentConfig
+    from osvl.models.load import load_processor
+    from osvl.models.tiny import tiny_checkpoint
+    from osvl.tools.registry import offered_tools
+    from osvl.train.format_check import _NotRun
+
+    class Calls(Answers):
+        async def chat(self, messages, images, sampling) -> str:
+            return "<think>look closer</think>\n" + chat.tool_call_text("crop", {"image": "img_1", "x": 0, "y": 0,
+                                                                                  "width": 8, "height": 8})
+
+    item = {"id": "q", "question": "Which tower?", "answer": "Eiffel Tower"}
+    res = asyncio.run(evaluate_item(Calls(""), item, [np.zeros((32, 32, 3), np.uint8)], _NotRun(), "agentic",
+                                    AgentConfig(max_turns=1), processor=load_processor(tiny_checkpoint("qwen3_vl")),
+                                    tools=offered_tools(["crop"])))
+    turn = res.trajectory.turns[0]
+    assert turn.text.startswith("<think>look closer") and "<tool_call>" in turn.text
+    assert (turn.action, turn.tool, turn.status) == ("tool_call", "crop", "ok")
+    assert "not run (first-turn format check)" in turn.observation

@@ -34,7 +34,7 @@ class _NotRun:
     async def call(self, name: str, arguments: Any, images: Any = None, new_image_name: str = "") -> Any:
         from osvl.tools.base import ToolResult
 
-        return ToolResult(text=f"{name}: not run (first-turn format check)")
+        return ToolResult(status="ok", text=f"{name}: not run (first-turn format check)")
 
 
 def first_turns(model_dir: str, heldout: Path, n: int, offer: list[str] | None = None,
