@@ -74,6 +74,10 @@ class RewardConfig:
         if self.fmt_scope not in ("prefix", "episode"):
             raise ConfigError(f"fmt_scope must be 'prefix' or 'episode', got {self.fmt_scope!r}")
 
+    def uses_llm(self) -> bool:
+        """Whether scoring asks an LLM judge (r_acc past the rule, or r_query), so a judge endpoint is needed."""
+        return self.judge != "rule" or self.query_scorer == "llm"
+
 
 def prefix_turns(traj: Trajectory, prefix_end: MaskStart = "cascade") -> list[Turn]:
     """The assistant turns before the mask start (all of them when the trajectory is not fatal)."""

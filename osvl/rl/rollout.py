@@ -75,11 +75,8 @@ class RolloutConfig:
     def check(self) -> None:
         self.agent.check()
         self.reward.check()
-        if self.needs_llm_judge():
+        if self.reward.uses_llm():
             self.judge.check("rollout.judge")
-
-    def needs_llm_judge(self) -> bool:
-        return self.reward.judge != "rule" or self.reward.query_scorer == "llm"
 
     def episode_agent(self, greedy: bool = False) -> AgentConfig:
         """The agent section as an episode runs it: temperature 0 for evaluation."""
@@ -141,7 +138,7 @@ class RolloutWorker:
         Their verdict cache lives in memory for the actor's life: the G samples of a group that give the
         same answer, and a question asked again at a later step, ask the endpoint once.
         """
-        if not self.cfg.needs_llm_judge():
+        if not self.cfg.reward.uses_llm():
             return None, None
         from osvl.agent.engines.openai import OpenAIChatEngine
         from osvl.agent.judge import LLMJudge

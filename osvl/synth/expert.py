@@ -126,8 +126,7 @@ def validate(cfg: TrajConfig) -> None:
         raise ConfigError("n_teacher_rollouts, keep_per_question, shard_size and workers must be >= 1")
     cfg.reward.check()
     cfg.agent.check()
-    if (cfg.reward.judge != "rule" or cfg.reward.query_scorer == "llm") and not (cfg.judge.base_url and
-                                                                                cfg.judge.model):
+    if cfg.reward.uses_llm() and not (cfg.judge.base_url and cfg.judge.model):
         raise ConfigError("an LLM judge (reward.judge / reward.query_scorer) needs judge.base_url and judge.model")
 
 
@@ -226,7 +225,7 @@ class ShardWorker:
             teacher = OpenAIChatEngine(cfg.teacher.endpoint)
             engines.append(teacher)
         llm_judge = process_judge = None
-        if cfg.reward.judge != "rule" or cfg.reward.query_scorer == "llm":
+        if cfg.reward.uses_llm():
             from osvl.agent.engines.openai import OpenAIChatEngine
 
             judge_engine = OpenAIChatEngine(cfg.judge, cut=False)
