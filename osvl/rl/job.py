@@ -129,8 +129,9 @@ def run(cfg: GRPOConfig, log: Callable[[str], None] = logger.info) -> dict[str, 
     grpo_eval = out / "pass1_grpo.json"  # of one checkpoint: a resubmitted finished run does not score it again
     if heldout and res["checkpoint"]:
         name = Path(res["checkpoint"]).name
-        if grpo_eval.is_file() and json.loads(grpo_eval.read_text())["checkpoint"] == name:
-            after = json.loads(grpo_eval.read_text())["pass1"]
+        kept = json.loads(grpo_eval.read_text()) if grpo_eval.is_file() else {}
+        if kept.get("checkpoint") == name:
+            after = kept["pass1"]
         else:
             after = pass_at_1(Path(res["checkpoint"]) / "hf", heldout, qdir / "images", cfg.rollout,
                               cfg.eval.concurrency)
