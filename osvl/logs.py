@@ -31,16 +31,18 @@ LEVELS = ("debug", "info", "warning", "error")
 ENV = "OSVL_LOG_LEVEL"
 T = TypeVar("T")
 log = logging.getLogger(__name__)
+QUIET = ("ray", "deepspeed", "httpx", "filelock", "urllib3")
+"""Libraries whose INFO lines the handler drops unless --log_level=debug: Ray Train reports every
+checkpoint, DeepSpeed every engine setting, httpx every request, and they drown the job's own lines."""
 
 
 class _Handler(logging.StreamHandler):
     """Writes to stdout through ``tqdm.write`` while a bar is drawn, so a log line does not tear the bar."""
 
     def emit(self, record: logging.LogRecord) -> None:
-        # Ray's and DeepSpeed's info lines (Ray Train reports every checkpoint at INFO, under a file-path
-        # logger name) drown the job's own; --log_level=debug shows them
+        # Ray Train logs under a file-path logger name, hence site-packages
         if record.levelno == logging.INFO and logging.getLogger().level > logging.DEBUG \
-                and (record.name.split(".")[0] in ("ray", "deepspeed") or "site-packages" in record.name):
+                and (record.name.split(".")[0] in QUIET or "site-packages" in record.name):
             return
         try:
             msg = self.format(record)
@@ -71,8 +73,6 @@ def setup(level: str | None = None) -> None:
         handler.setFormatter(logging.Formatter(FORMAT, datefmt="%H:%M:%S"))
         root.addHandler(handler)
     root.setLevel(level.upper())
-    for noisy in ("httpx", "filelock", "urllib3"):  # one line per request at INFO drowns the job's own lines
-        logging.getLogger(noisy).setLevel(max(logging.WARNING, root.level))
 
 
 def start_job(cls: type[T], job: str, argv: list[str] | None = None,

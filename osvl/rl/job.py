@@ -17,6 +17,7 @@ from typing import Any
 
 from osvl.config import RunConfig, opt
 from osvl.logs import Progress
+from osvl.rl import checkpoint as ckpt
 from osvl.rl.learner import RLConfig
 from osvl.rl.loss import MODES
 from osvl.rl.report import HEADER, format_row, summarize
@@ -118,7 +119,9 @@ def run(cfg: GRPOConfig, log: Callable[[str], None] = logger.info) -> dict[str, 
         publish(out, sft_eval.name)
     parts = GRPOParts(run=cfg.run, rl=cfg.rl, rollout=cfg.rollout, learner=cfg.learner, train=cfg.train)
     log(HEADER)
-    with Progress(cfg.train.steps, "grpo", "steps") as bar:
+    done = ckpt.latest(out / "checkpoints")  # a resumed run's bar starts at its checkpoint's step
+    with Progress(cfg.train.steps, "grpo", "steps", initial=int(done.name.removeprefix(ckpt.PREFIX)) if done else 0
+                  ) as bar:
         def show(row: dict[str, Any]) -> None:
             log(format_row(row))
             bar.update(1, reward=row["reward"], fatal=row["fatal_rate"])

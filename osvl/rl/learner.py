@@ -48,9 +48,9 @@ class RLConfig:
         "seq_mean_token_mean", "Loss aggregation: per-trajectory token mean then mean over G (paper); "
         "token_mean; seq_mean_token_sum (released code).")
     lr: float = opt(1e-5, "Adam learning rate.")
-    warmup_steps: int = opt(0, "Linear learning-rate warm-up over the first N learner steps (0 = none). Adam's "
-                               "first step moves every weight by about lr whatever its gradient; on the demo's "
-                               "tiny policy at lr 3e-4 that spiked the KL to the reference to 2.9 at step 2.")
+    warmup_steps: int = opt(0, "Linear learning-rate warm-up over the first N learner steps (0 = none): Adam's "
+                               "first step moves every weight by about lr whatever its gradient "
+                               "(docs/measurements.md).")
     weight_decay: float = opt(0.0, "AdamW weight decay.")
     grad_clip: float = opt(1.0, "Global gradient-norm clip (0 = off).")
     max_len: int = opt(4096, "Longest trajectory fed to the learner, in tokens (collate's truncation).")
