@@ -21,6 +21,9 @@ app's for sharpen at 512x512 (what osvl's API costs over the simplest app doing 
 higher is better), ``handle_over_inprocess`` the handle throughput over in-process for sharpen
 (what a rollout actor pays for running tools in Serve), and ``ratios`` both figures per tool.
 
+The bench's Ray cluster runs its workers at the bench's own priority (``RAY_worker_niceness=0``; Ray's
+default is 15), so that the replicas and the in-process baseline compete for the cores on equal terms.
+
 Images are synthetic or from scikit-image's bundled photos, so the benchmark needs no shared data.
 When the committed EDSR weights are missing, a freshly initialised model of the same
 architecture is used (throughput does not depend on the weight values).
@@ -30,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import sys
 import tempfile
 import time
@@ -164,6 +168,10 @@ def main(argv: list[str]) -> dict[str, Any]:
     names = sorted({c[1] for c in rows})
     options = edsr_options() if "super_resolution" in names else {}
 
+    # Ray starts its workers at niceness 15 (so that its own daemons stay responsive), the in-process
+    # baseline runs here at the caller's: equal priority, or any other load on the machine takes CPU from
+    # the replicas first and the handle/in-process ratio measures the scheduler
+    os.environ.setdefault("RAY_worker_niceness", "0")
     init_ray(include_dashboard=False)
     port = start_serve()
     fixed = {"num_replicas": opts["replicas"], "autoscaling_config": None}

@@ -66,8 +66,10 @@ def setup(level: str | None = None) -> None:
     os.environ[ENV] = level  # for worker processes started after this (osvl.cluster.worker_env)
     root = logging.getLogger()
     if not any(isinstance(h, _Handler) for h in root.handlers):
-        # a Ray worker's root logger already has Ray's plain StreamHandler: two handlers printed every line twice
-        for h in [h for h in root.handlers if type(h) is logging.StreamHandler]:
+        # a Ray worker's root logger already has a console handler (Ray's StreamHandler; in a Ray Train worker
+        # its PlainRayHandler): two console handlers print every line twice. File handlers stay.
+        for h in [h for h in root.handlers
+                  if isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler)]:
             root.removeHandler(h)
         handler = _Handler()
         handler.setFormatter(logging.Formatter(FORMAT, datefmt="%H:%M:%S"))

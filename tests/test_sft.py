@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -155,6 +156,8 @@ def test_sigkill_after_checkpoint_resumes_exactly(trajectories, zero2_run, tmp_p
 
     out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    shown = re.findall(r"sft step (\d+)/", out.stdout)  # the worker's lines, forwarded to the driver's log
+    assert shown and len(shown) == len(set(shown)), shown  # each once: one console handler in the worker
     (report_file,) = root.glob("sft/*/report.json")
     resumed = json.loads(report_file.read_text())["resumed_at"]
     assert len(resumed) == 1 and resumed[0] in (2, 4), resumed  # from a checkpoint, not from scratch

@@ -56,7 +56,6 @@ from osvl.agent.teacher import OracleConfig
 from osvl.config import RunConfig, from_dict, opt, run_dir, to_dict
 from osvl.endpoint import EndpointConfig
 from osvl.errors import ConfigError, DataError, EndpointUnavailable
-from osvl.logs import Progress
 
 logger = logging.getLogger(__name__)
 
@@ -333,9 +332,8 @@ def report(counts: Counter[str], seconds: float) -> dict[str, Any]:
 
 def run(cfg: TrajConfig, *, log: Callable[[str], None] = logger.info) -> tuple[Path, dict[str, Any]]:
     """Answer the split's questions with the teacher, filter, keep, write (resuming shards)."""
-    import ray
-
-    from osvl.cluster import init_ray, role_resources
+    from osvl.cluster import init_ray
+    from osvl.synth import pipeline
 
     validate(cfg)
     t0 = time.perf_counter()
@@ -351,18 +349,10 @@ def run(cfg: TrajConfig, *, log: Callable[[str], None] = logger.info) -> tuple[P
         f"{n_shards - len(todo)} done, {len(todo)} to run with {cfg.workers} workers -> {out}")
     if todo:
         init_ray(num_cpus=max(cfg.workers, 1))
-        ds = ray.data.from_items([{"shard": k} for k in todo], override_num_blocks=len(todo))
-        ds = ds.map_batches(ShardWorker, fn_constructor_kwargs={"cfg": to_dict(cfg), "qdir": storage.location(qdir),
-                                                                "out_dir": storage.location(out)},
-                            batch_size=1, num_cpus=1, resources=role_resources("data", cfg.role_units),
-                            compute=ray.data.ActorPoolStrategy(size=min(cfg.workers, len(todo))))
-        finished = n_shards - len(todo)
-        with Progress(n_shards, "trajectories", "shards", initial=finished) as bar:
-            for row in ds.iter_rows():
-                finished += 1
-                log(f"  shard {int(row['shard']):5d} done: kept {int(row['kept'])} in {float(row['seconds']):.1f} s "
-                    f"({finished}/{n_shards})")
-                bar.update(1)
+        pipeline.run_shards(ShardWorker, {"cfg": to_dict(cfg), "qdir": storage.location(qdir),
+                                          "out_dir": storage.location(out)}, todo, n_shards,
+                            workers=cfg.workers, role_units=cfg.role_units, desc=JOB,
+                            line=lambda row: f"kept {int(row['kept'])} in {float(row['seconds']):.1f} s", log=log)
         storage.refresh(out)  # shards the workers on other nodes published
     counts: Counter[str] = Counter()
     for k in range(n_shards):

@@ -564,11 +564,34 @@ def check_same_kg(graph: Graph, shard_dir: Path) -> None:
     stamp.write_text(fingerprint + "\n")
 
 
-def run(cfg: SynthConfig, *, log: Callable[[str], None] = logger.info) -> tuple[Path, dict[str, Any]]:
-    """Synthesize (resuming committed shards), finalize; returns the run folder and the data card."""
+def run_shards(worker: type, kwargs: dict[str, Any], todo: list[int], total: int, *, workers: int,
+               role_units: float, desc: str, line: Callable[[dict[str, Any]], str],
+               log: Callable[[str], None]) -> None:
+    """Run the shards ``todo`` (of ``total``) on a Ray Data pool of ``worker`` actors, one CPU each on the nodes
+    of the data role; log each finished shard with ``line(row)`` of the row its worker returns.
+
+    The synthesize and trajectories jobs both shard this way: a worker writes and publishes its shard and
+    its "done" marker itself, so a killed job resumes at the first shard without a marker.
+    """
     import ray
 
-    from osvl.cluster import init_ray, role_resources
+    from osvl.cluster import role_resources
+
+    ds = ray.data.from_items([{"shard": k} for k in todo], override_num_blocks=len(todo))
+    ds = ds.map_batches(worker, fn_constructor_kwargs=kwargs, batch_size=1, num_cpus=1,
+                        resources=role_resources("data", role_units),
+                        compute=ray.data.ActorPoolStrategy(size=min(workers, len(todo))))
+    finished = total - len(todo)
+    with Progress(total, desc, "shards", initial=finished) as bar:
+        for row in ds.iter_rows():
+            finished += 1
+            log(f"  shard {int(row['shard']):5d} done: {line(row)} ({finished}/{total})")
+            bar.update(1)
+
+
+def run(cfg: SynthConfig, *, log: Callable[[str], None] = logger.info) -> tuple[Path, dict[str, Any]]:
+    """Synthesize (resuming committed shards), finalize; returns the run folder and the data card."""
+    from osvl.cluster import init_ray
 
     validate(cfg)
     t0 = time.perf_counter()
@@ -585,17 +608,9 @@ def run(cfg: SynthConfig, *, log: Callable[[str], None] = logger.info) -> tuple[
         f"{cfg.num_shards - len(todo)} already done, {len(todo)} to run with {cfg.workers} workers -> {out}")
     if todo:
         init_ray()
-        ds = ray.data.from_items([{"shard": k} for k in todo], override_num_blocks=len(todo))
-        ds = ds.map_batches(ShardWorker, fn_constructor_kwargs={"cfg": to_dict(cfg), "out_dir": storage.location(out)},
-                            batch_size=1, num_cpus=1, resources=role_resources("data", cfg.role_units),
-                            compute=ray.data.ActorPoolStrategy(size=min(cfg.workers, len(todo))))
-        finished = cfg.num_shards - len(todo)
-        with Progress(cfg.num_shards, "synthesize", "shards", initial=finished) as bar:
-            for row in ds.iter_rows():
-                finished += 1
-                log(f"  shard {int(row['shard']):5d} done: {int(row['questions'])} questions in "
-                    f"{float(row['seconds']):.1f} s ({finished}/{cfg.num_shards})")
-                bar.update(1)
+        run_shards(ShardWorker, {"cfg": to_dict(cfg), "out_dir": storage.location(out)}, todo, cfg.num_shards,
+                   workers=cfg.workers, role_units=cfg.role_units, desc=JOB,
+                   line=lambda row: f"{int(row['questions'])} questions in {float(row['seconds']):.1f} s", log=log)
         storage.refresh(out)  # shards the workers on other nodes published
     card = finalize(cfg, out, cfg.num_shards, time.perf_counter() - t0, n_seeds)
     storage.publish(out)
