@@ -42,9 +42,8 @@ setup: $(STAMP)
 
 # basicsr's metadata pulls torchvision and opencv-python, which break this stack: it is
 # installed without dependencies and osvl imports only its architecture module.
-# DeepSpeed JIT-compiles its CPU shared-memory comm op (~60 s) on first use: done here, with the
-# venv's ninja (osvl/train/deepspeed.py uses that one too: two ninjas rebuild it in turn),
-# not inside a timed test.
+# DeepSpeed JIT-compiles its CPU shared-memory comm op (~60 s) on first use: done here (with the
+# venv's ninja, as training does: osvl/train/deepspeed.py), not inside a timed test.
 
 $(STAMP):
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -52,7 +51,7 @@ $(STAMP):
 	@echo "== installing dependencies (deps hash $(DEPS_HASH))"
 	$(PIP) install --quiet $(TORCH_SPEC) -c constraints.txt -e '.[dev]'
 	$(PIP) install --quiet --no-deps -c constraints.txt basicsr==1.4.2
-	PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) -c "from deepspeed.accelerator import get_accelerator as g; g().create_op_builder('ShareMemCommBuilder').load()" 2>&1 | tail -1
+	$(PY) -c "from osvl.train.deepspeed import build_comm_op; build_comm_op()" 2>&1 | tail -1
 	@touch $@
 
 setup-vllm: $(VLLM_STAMP)

@@ -125,8 +125,8 @@ def validate(cfg: TrajConfig) -> None:
         raise ConfigError("n_teacher_rollouts, keep_per_question, shard_size and workers must be >= 1")
     cfg.reward.check()
     cfg.agent.check()
-    if cfg.reward.uses_llm() and not (cfg.judge.base_url and cfg.judge.model):
-        raise ConfigError("an LLM judge (reward.judge / reward.query_scorer) needs judge.base_url and judge.model")
+    if cfg.reward.uses_llm():  # an LLM judge (reward.judge / reward.query_scorer) needs its endpoint
+        cfg.judge.check("judge")
 
 
 def questions_dir(cfg: TrajConfig, log: Callable[[str], None] = logger.info) -> Path:

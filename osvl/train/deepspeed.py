@@ -63,6 +63,27 @@ def ds_config(stage: int, *, micro_batch: int, grad_accum: int, world_size: int,
     }
 
 
+def use_venv_ninja() -> None:
+    """Put the interpreter's own bin first on PATH when it holds a ``ninja``.
+
+    DeepSpeed builds its CPU ops (shm_comm) with the first `ninja` on PATH into one cache per user. A
+    system ninja 1.11 and the venv's 1.13 write incompatible build logs, so processes that find
+    different ones (a test run vs a Ray job's workers) rebuilt the op every time, 1-2 min each.
+    """
+    venv_bin = os.path.dirname(sys.executable)
+    if os.path.exists(os.path.join(venv_bin, "ninja")) and not os.environ.get("PATH", "").startswith(venv_bin):
+        os.environ["PATH"] = venv_bin + os.pathsep + os.environ.get("PATH", "")
+
+
+def build_comm_op() -> None:
+    """Build (or find built) DeepSpeed's CPU shared-memory comm op with the ninja ``init_engine`` uses:
+    ``make setup`` calls this, so no timed test pays the ~60 s JIT build."""
+    from deepspeed.accelerator import get_accelerator
+
+    use_venv_ninja()
+    get_accelerator().create_op_builder("ShareMemCommBuilder").load()
+
+
 def init_engine(model, optimizer, lr_scheduler, config: dict[str, Any]):
     """``deepspeed.initialize`` inside a Ray Train worker (the process group already exists)."""
     import deepspeed
@@ -74,13 +95,7 @@ def init_engine(model, optimizer, lr_scheduler, config: dict[str, Any]):
         os.environ.setdefault("RANK", "0")
         os.environ.setdefault("WORLD_SIZE", "1")
         os.environ.setdefault("LOCAL_RANK", "0")
-    # DeepSpeed builds its CPU ops (shm_comm) with the first `ninja` on PATH into one cache per user. A
-    # system ninja 1.11 and the venv's 1.13 write incompatible build logs, so processes that find
-    # different ones (a test run vs a Ray job's workers) rebuilt the op every time, 1-2 min each: use
-    # the ninja installed beside this interpreter whenever there is one.
-    venv_bin = os.path.dirname(sys.executable)
-    if os.path.exists(os.path.join(venv_bin, "ninja")) and not os.environ.get("PATH", "").startswith(venv_bin):
-        os.environ["PATH"] = venv_bin + os.pathsep + os.environ.get("PATH", "")
+    use_venv_ninja()
     deepspeed.init_distributed(dist_backend=dist.get_backend() if dist.is_initialized() else None)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=lr_scheduler,
                                            config=config)
