@@ -120,10 +120,35 @@ REF_CACHE_BYTES = 64 * 2**20
 """Bytes of handle callers' images a tool replica keeps resolved (``_ToolReplica._resolve``)."""
 
 
+def keep_freed_memory(mmap_threshold: int = 32 << 20, trim_threshold: int = 256 << 20) -> bool:
+    """Make glibc's allocator keep freed image buffers in the process instead of unmapping them.
+
+    Why: an image tool allocates a few float copies of its image per call (sharpen on 512x512:
+    about 8 MB). glibc serves such blocks with ``mmap`` and returns them to the kernel on free, so
+    the next call faults every page in again, zeroed by the kernel: in a tool replica running
+    several calls in threads that was most of the cost of a cheap tool (docs/measurements.md has
+    the figures). Fixed thresholds keep freed blocks in the heap for
+    reuse (blocks over 32 MB, the most glibc allows as a fixed threshold, are still mapped); a replica
+    then holds its peak working set, which is what a server wants. Returns whether
+    glibc took the settings (False off glibc, e.g. macOS, where nothing changes).
+    """
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    m_trim_threshold, m_mmap_threshold = -1, -3  # <malloc.h>
+    return bool(mallopt(m_mmap_threshold, mmap_threshold)) and bool(mallopt(m_trim_threshold, trim_threshold))
+
+
 class _ToolReplica:
     """What every tool replica does around one call: context, thread, metrics."""
 
     def __init__(self, tool: Tool, cfg: dict[str, Any]) -> None:
+        keep_freed_memory()
         self.tool = tool
         self.cfg = from_dict(ServeConfig, cfg)
         self.options: dict[str, Any] = dict(self.cfg.options)
@@ -503,6 +528,7 @@ class ToolAPI:
         self.tool_schemas = tool_schemas
         self.cfg = from_dict(ServeConfig, cfg)
         self.token_sha256 = token_sha256  # a digest, so the token is not stored in the app's config
+        keep_freed_memory()  # the ingress decodes and encodes every HTTP call's images
         self.inline = {name: _ToolReplica(tool, cfg) for name, tool in (inline or {}).items()}
 
     def _authorized(self, request: Request) -> bool:
