@@ -127,10 +127,10 @@ def keep_freed_memory(mmap_threshold: int = 32 << 20, trim_threshold: int = 256 
     about 8 MB). glibc serves such blocks with ``mmap`` and returns them to the kernel on free, so
     the next call faults every page in again, zeroed by the kernel: in a tool replica running
     several calls in threads that was most of the cost of a cheap tool (docs/measurements.md has
-    the figures). Fixed thresholds keep freed blocks in the heap for
-    reuse (blocks over 32 MB, the most glibc allows as a fixed threshold, are still mapped); a replica
-    then holds its peak working set, which is what a server wants. Returns whether
-    glibc took the settings (False off glibc, e.g. macOS, where nothing changes).
+    the figures). Fixed thresholds keep freed blocks in the heap for reuse (blocks over 32 MB, the
+    most glibc allows as a fixed threshold, are still mapped); a replica then holds its peak working
+    set, which is what a server wants. Returns whether glibc took the settings (False off glibc,
+    e.g. macOS, where nothing changes).
     """
     import ctypes
     import ctypes.util
