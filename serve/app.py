@@ -55,6 +55,7 @@ serve/README.md shows every command.
 # no `from __future__ import annotations`: FastAPI must see the real ``Request`` type on the replica
 import asyncio
 import dataclasses
+import functools
 import hashlib
 import hmac
 import json
@@ -120,6 +121,7 @@ REF_CACHE_BYTES = 64 * 2**20
 """Bytes of handle callers' images a tool replica keeps resolved (``_ToolReplica._resolve``)."""
 
 
+@functools.cache  # a process-wide setting: the ingress and each inline tool in it ask once between them
 def keep_freed_memory(mmap_threshold: int = 32 << 20, trim_threshold: int = 256 << 20) -> bool:
     """Make glibc's allocator keep freed image buffers in the process instead of unmapping them.
 

@@ -392,7 +392,7 @@ def test_metrics_are_exported_by_ray(api, shared_data):
 
 
 KEEP_FREED_PROBE = """
-import json, resource, sys, threading
+import json, resource, threading
 import numpy as np
 from osvl.tools.sharpen import unsharp
 from serve.app import keep_freed_memory
