@@ -808,4 +808,8 @@ def serve_until_interrupted() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    # Run the importable module, not this `__main__` copy: Ray pickles `__main__` classes by value, and
+    # what they reference by name (the cached `keep_freed_memory`) is then missing in the replicas.
+    from serve.app import main as _main
+
+    _main()
