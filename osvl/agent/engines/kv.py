@@ -78,7 +78,7 @@ def common_length(a: Seq, b_ids: np.ndarray, b_keys: list[bytes], limit: int) ->
     return n
 
 
-@dataclass
+@dataclass(eq=False)  # an entry is itself: the generated == compares token arrays element-wise (list.remove)
 class Entry:
     ids: np.ndarray
     keys: list[bytes]  # digests of the images placed in ids
