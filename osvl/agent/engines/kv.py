@@ -122,7 +122,7 @@ class PrefixStore:
                         if not (len(e.ids) <= len(entry.ids) and np.array_equal(e.ids, entry.ids[:len(e.ids)])
                                 and e.keys == entry.keys[:len(e.keys)])]
         self.entries.append(entry)
-        total = sum(len(e.ids) for e in self.entries)
+        total = self.tokens()
         for e in sorted(self.entries, key=lambda e: e.used):
             if total <= self.max_tokens:
                 break
