@@ -13,7 +13,9 @@ Run-root convention (docs/design.md): every job writes under
 ``<run_root>/<job>/<config hash>/`` and saves its resolved config there as
 ``config.yaml``, so an identical rerun finds and reuses what an earlier one made.
 The hash skips fields declared with ``opt(..., hashed=False)`` (paths of where to
-write, worker counts) because they do not change what is produced.
+write, worker counts) because they do not change what is produced, and sees a field
+declared with ``hash_as`` through it (a tiny model kind as its checkpoint's name, which
+changes with the weights and tokenizer behind the kind).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import os
 import sys
 import types
 import typing
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal, TypeVar, get_args, get_origin, get_type_hints
 
@@ -52,13 +55,14 @@ def input_path(value: str) -> Path:
 T = TypeVar("T")
 
 
-def opt(default: Any, doc: str, *, hashed: bool = True) -> Any:
+def opt(default: Any, doc: str, *, hashed: bool = True, hash_as: Callable[[Any], Any] | None = None) -> Any:
     """Declare a config field with its documentation (shown by ``--help``).
 
     Mutable defaults (lists, dicts, nested configs) are wrapped in a factory so
-    that two config objects never share one list.
+    that two config objects never share one list. ``hash_as`` maps the value to what the run
+    hash sees, for a name whose meaning can change under it (a tiny model kind: its weights).
     """
-    meta = {"doc": doc, "hashed": hashed}
+    meta = {"doc": doc, "hashed": hashed, **({"hash_as": hash_as} if hash_as else {})}
     if dataclasses.is_dataclass(default) and isinstance(default, type):
         return dataclasses.field(default_factory=default, metadata=meta)
     if isinstance(default, list | dict) or dataclasses.is_dataclass(default):
@@ -359,6 +363,8 @@ def _hashed_dict(cfg: Any) -> dict[str, Any]:
         if not f.metadata.get("hashed", True):
             continue
         value = getattr(cfg, name)
+        if f.metadata.get("hash_as"):
+            value = f.metadata["hash_as"](value)
         out[name] = _hashed_dict(value) if dataclasses.is_dataclass(tp) else value
     return out
 

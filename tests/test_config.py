@@ -529,6 +529,24 @@ def test_config_hash_is_pinned_and_skips_unhashed_fields(tmp_path):
     assert config_hash(Job(weights={"b": 1.0, "a": 2.0})) == config_hash(Job(weights={"a": 2.0, "b": 1.0}))
 
 
+def test_sft_run_key_follows_the_model_behind_a_tiny_kind(monkeypatch):
+    """A tiny kind names a build (tokenizer, weights) that a code or corpus change replaces: the SFT and
+    trajectories runs (and the GRPO run that embeds their configs) must get new folders then, not resume
+    a checkpoint or reuse records of the old build."""
+    from osvl.models import tiny
+    from osvl.synth.expert import TrajConfig
+    from osvl.train.sft import SftConfig
+
+    before = config_hash(SftConfig()), config_hash(TrajConfig())
+    assert C._hashed_dict(SftConfig())["tiny_kind"] == tiny.tiny_checkpoint("qwen3_vl").name
+    assert yaml.safe_load(dump(SftConfig()))["tiny_kind"] == "qwen3_vl"  # the saved config keeps the name
+    monkeypatch.setattr(tiny, "BPE_VOCAB", 2048)  # another tokenizer behind the same kind
+    after = config_hash(SftConfig()), config_hash(TrajConfig())
+    assert before[0] != after[0] and before[1] != after[1]
+    with pytest.raises(ConfigError, match="unknown tiny model kind"):
+        config_hash(SftConfig(tiny_kind="qwen9"))
+
+
 def test_run_dir_saves_config(tmp_path):
     cfg = Job(run=RunConfig(root=str(tmp_path / "runs")), steps=4)
     path = run_dir(cfg, "toy")

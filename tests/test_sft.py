@@ -178,3 +178,20 @@ def test_loss_curve_prints_start_and_end(tmp_path):
     log.write_text("".join(json.dumps({"step": i, "loss": 5.0 / i}) + "\n" for i in range(1, 21)))
     text = loss_curve(log)
     assert "5.000 -> 0.250" in text and "20:0.250" in text
+
+
+def test_records_of_another_tokenizer_are_refused(trajectories, tmp_path, monkeypatch):
+    """Records hold token ids: rendered by one tokenizer, they are other words to another, and SFT must
+    refuse them before training rather than learn noise (the GRPO job once rendered the demo records with
+    the tiny tokenizer whatever model SFT trained)."""
+    from osvl.errors import DataError
+    from osvl.models import tiny
+    from osvl.train.sft_data import check_tokenizer, parquet_files
+
+    files, _ = parquet_files(trajectories)
+    check_tokenizer(files[0], str(tiny.tiny_checkpoint("qwen3_vl")))  # its own tokenizer: accepted
+    # a real second tokenizer: one more special token first, so every other token's id moves by one
+    monkeypatch.setattr(tiny, "EXTRA_SPECIAL", [*tiny.EXTRA_SPECIAL, "<|other|>"])
+    other = tiny.tiny_checkpoint("qwen3_vl", cache_dir=tmp_path)
+    with pytest.raises(DataError, match="not rendered with the tokenizer"):
+        check_tokenizer(files[0], str(other))

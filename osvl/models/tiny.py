@@ -195,9 +195,15 @@ def build_once(final: Path, build_fn: Any) -> Path:
     return final
 
 
-def tiny_checkpoint(kind: str = "qwen3_vl", cache_dir: str | Path | None = None) -> Path:
-    """The cached tiny checkpoint directory of ``kind``, built first if missing (see ``build_once``)."""
+def checkpoint_name(kind: str) -> str:
+    """The folder name of ``kind``'s checkpoint: it changes whenever its weights or tokenizer would, so a
+    run keyed by it (``SftConfig.tiny_kind`` hashes as this) never resumes another model's checkpoint."""
     if kind not in KINDS:
         raise ConfigError(f"unknown tiny model kind {kind!r}; choose one of {', '.join(KINDS)}")
-    root = Path(cache_dir) if cache_dir is not None else cache_root()
-    return build_once(root / "tiny" / f"{kind}-{build_key(kind)}", lambda tmp: build(kind, tmp))
+    return f"{kind}-{build_key(kind)}"
+
+
+def tiny_checkpoint(kind: str = "qwen3_vl", cache_dir: str | Path | None = None) -> Path:
+    """The cached tiny checkpoint directory of ``kind``, built first if missing (see ``build_once``)."""
+    final = (Path(cache_dir) if cache_dir is not None else cache_root()) / "tiny" / checkpoint_name(kind)
+    return build_once(final, lambda tmp: build(kind, tmp))

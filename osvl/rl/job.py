@@ -71,10 +71,11 @@ def prepare(cfg: GRPOConfig, log: Callable[[str], None] = logger.info) -> tuple[
 
     # the teacher's records must show the policy the tools it will be offered in RL (the system
     # prompt is part of every SFT row), so rollout.offer is the trajectories job's default
-    tcfg = upstream_config(expert.TrajConfig, expert.JOB, cfg.run,
-                           {"questions": str(qdir), "offer": list(cfg.rollout.offer), **cfg.trajectories})
-    tdir, _ = expert.run(tcfg, log=log)
     scfg = upstream_config(sft.SftConfig, sft.JOB, cfg.run, cfg.sft)
+    tcfg = upstream_config(expert.TrajConfig, expert.JOB, cfg.run,
+                           {"questions": str(qdir), "offer": list(cfg.rollout.offer), **sft.student(scfg),
+                            **cfg.trajectories})
+    tdir, _ = expert.run(tcfg, log=log)
     scfg = merge_data(scfg, tdir, qdir)
     from osvl.config import run_dir
 

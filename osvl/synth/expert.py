@@ -56,6 +56,7 @@ from osvl.agent.teacher import OracleConfig
 from osvl.config import RunConfig, from_dict, opt, run_dir, to_dict
 from osvl.endpoint import EndpointConfig
 from osvl.errors import ConfigError, DataError, EndpointUnavailable
+from osvl.models.tiny import checkpoint_name
 
 logger = logging.getLogger(__name__)
 
@@ -96,7 +97,9 @@ class TrajConfig:
     split: str = opt("sft", "Which split's questions to answer.")
     max_questions: int = opt(0, "Answer at most this many questions (the first by id); 0 = all.")
     model: str = opt("", "Student checkpoint whose tokenizer and processor render the records; empty = the "
-                         "tiny Qwen3-VL of osvl.models.tiny.")
+                         "tiny model of tiny_kind.")
+    tiny_kind: str = opt("qwen3_vl", "osvl.models.tiny kind whose tokenizer renders the records when model is "
+                                     "empty (the SFT job passes its own).", hash_as=checkpoint_name)
     offer: list[str] = opt([], "Tools offered to the teacher, by name (rendered in every record's system prompt, "
                                "so the policy trained on the records must be offered the same); empty = all.")
     n_teacher_rollouts: int = opt(2, "Teacher episodes per question.")
@@ -187,7 +190,7 @@ class ShardWorker:
         if not model:
             from osvl.models.tiny import tiny_checkpoint
 
-            model = str(tiny_checkpoint("qwen3_vl"))
+            model = str(tiny_checkpoint(self.cfg.tiny_kind))
         self.processor = load_processor(model)
         text_search.configure(text_search.TextSearchConfig(dense_rerank=self.cfg.tools.dense_rerank,
                                                            snippet_chars=self.cfg.tools.snippet_chars))

@@ -39,7 +39,8 @@ from typing import Any, Literal
 
 from osvl.config import RunConfig, opt
 from osvl.errors import ConfigError, DataError
-from osvl.train.sft_data import count_rows, load_split, parquet_files
+from osvl.models.tiny import checkpoint_name
+from osvl.train.sft_data import check_tokenizer, count_rows, load_split, parquet_files
 from osvl.train.sft_loop import JOB, draw_curves, train_loop
 
 logger = logging.getLogger(__name__)
@@ -62,7 +63,8 @@ class SftConfig:
     run: RunConfig = opt(RunConfig, "Run root and seed.")
     data: DataConfig = opt(DataConfig, "Training data.")
     model: str = opt("", "Checkpoint directory to fine-tune; empty = the tiny model of tiny_kind.")
-    tiny_kind: str = opt("qwen3_vl", "osvl.models.tiny kind used when model is empty.")
+    tiny_kind: str = opt("qwen3_vl", "osvl.models.tiny kind used when model is empty (the run hash sees its "
+                                      "checkpoint's name, which changes with its weights).", hash_as=checkpoint_name)
     epochs: float = opt(1.0, "Passes over the training trajectories (fractions allowed).")
     max_steps: int = opt(0, "Stop after this many optimizer steps (0 = epochs decide).")
     micro_batch: int = opt(4, "Trajectories per worker per forward.")
@@ -95,6 +97,12 @@ class SftConfig:
 # the driver
 
 
+def student(cfg: SftConfig) -> dict[str, str]:
+    """The trajectories-job overrides that render its records with this run's tokenizer: the records' token
+    ids are what SFT trains on, and another tokenizer's ids are other words (``check_tokenizer``)."""
+    return {"model": cfg.model} if cfg.model else {"tiny_kind": cfg.tiny_kind}
+
+
 def resolve_data(cfg: SftConfig, out: Path, model_dir: str) -> Path:
     """The trajectory folder to train on (running the demo trajectories job when none is given)."""
     from osvl.config import REPO_ROOT
@@ -117,7 +125,7 @@ def resolve_data(cfg: SftConfig, out: Path, model_dir: str) -> Path:
     from osvl.synth.expert import TrajConfig
     from osvl.synth.expert import run as make_trajectories
 
-    folder, _ = make_trajectories(upstream_config(TrajConfig, TRAJ_JOB, cfg.run))
+    folder, _ = make_trajectories(upstream_config(TrajConfig, TRAJ_JOB, cfg.run, student(cfg)))
     return Path(folder)
 
 
@@ -161,6 +169,7 @@ def run(cfg: SftConfig, *, log: Callable[[str], None] = logger.info) -> dict[str
     model_dir = cfg.model or str(tiny_checkpoint(cfg.tiny_kind))
     data_dir = resolve_data(cfg, out, model_dir)
     files, image_dir = parquet_files(data_dir)
+    check_tokenizer(files[0], model_dir)
     n_train, n_val = count_rows(files, cfg.data.val_fraction)
     steps = total_steps(cfg, n_train)
     log(f"sft: {n_train} train / {n_val} validation trajectories from {data_dir}; {steps} steps of "

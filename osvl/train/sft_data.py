@@ -28,6 +28,34 @@ def parquet_files(path: str | Path) -> tuple[list[Path], Path]:
     return files, p.parent / "images"
 
 
+def check_tokenizer(file: Path, model_dir: str) -> None:
+    """Refuse records rendered with another tokenizer than ``model_dir``'s.
+
+    A record stores token ids, not text, so another tokenizer's records train on other words
+    without any error. The prompt before the first generated token is the chat template's own
+    rendering: with the right tokenizer it reads as a ChatML turn (a short garbled prompt can
+    still encode back to its ids) and encodes back to the same ids.
+    """
+    import pyarrow.parquet as pq
+
+    from osvl.models.load import load_processor
+
+    row = pq.read_table(file, columns=["id", "input_ids", "gen_mask"]).slice(0, 1).to_pylist()
+    if not row:
+        return
+    ids, mask = row[0]["input_ids"], row[0]["gen_mask"]
+    prompt = ids[:next((i for i, m in enumerate(mask) if m), len(ids))]
+    tok = getattr(load_processor(model_dir), "tokenizer", None)
+    if tok is None:
+        return
+    text = tok.decode(prompt, skip_special_tokens=False)
+    again = tok(text, add_special_tokens=False)["input_ids"]
+    if not text.startswith(("<|im_start|>system\n", "<|im_start|>user\n")) or list(again) != list(prompt):
+        raise DataError(f"{file}: record {row[0]['id']} was not rendered with the tokenizer of {model_dir} (its "
+                        "prompt does not encode back to the same ids): make the records with the trajectories "
+                        "job's model or tiny_kind set to this model")
+
+
 def is_val(question_id: str, fraction: float) -> bool:
     """Deterministic question-level split (crc32 of the id), so trajectories of one question stay together."""
     return zlib.crc32(question_id.encode()) % 10_000 < fraction * 10_000
