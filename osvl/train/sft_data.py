@@ -38,20 +38,21 @@ def check_tokenizer(file: Path, model_dir: str) -> None:
     """
     import pyarrow.parquet as pq
 
+    from osvl.chat import IM_START
     from osvl.models.load import load_processor
 
-    row = pq.read_table(file, columns=["id", "input_ids", "gen_mask"]).slice(0, 1).to_pylist()
-    if not row:
+    first = next(pq.ParquetFile(file).iter_batches(batch_size=1, columns=["id", "input_ids", "gen_mask"]), None)
+    if first is None or first.num_rows == 0:
         return
-    ids, mask = row[0]["input_ids"], row[0]["gen_mask"]
+    row = first.to_pylist()[0]
+    ids, mask = row["input_ids"], row["gen_mask"]
     prompt = ids[:next((i for i, m in enumerate(mask) if m), len(ids))]
-    tok = getattr(load_processor(model_dir), "tokenizer", None)
-    if tok is None:
-        return
+    processor = load_processor(model_dir)
+    tok = getattr(processor, "tokenizer", processor)
     text = tok.decode(prompt, skip_special_tokens=False)
     again = tok(text, add_special_tokens=False)["input_ids"]
-    if not text.startswith(("<|im_start|>system\n", "<|im_start|>user\n")) or list(again) != list(prompt):
-        raise DataError(f"{file}: record {row[0]['id']} was not rendered with the tokenizer of {model_dir} (its "
+    if not text.startswith((f"{IM_START}system\n", f"{IM_START}user\n")) or list(again) != list(prompt):
+        raise DataError(f"{file}: record {row['id']} was not rendered with the tokenizer of {model_dir} (its "
                         "prompt does not encode back to the same ids): make the records with the trajectories "
                         "job's model or tiny_kind set to this model")
 
