@@ -55,7 +55,7 @@ def mean_se(xs: list[float]) -> dict[str, float | None]:
 def one_run(cfg, mode: str, seed: int, model: Path, qdir: Path, questions: list[dict], heldout: list[dict],
             root: Path) -> dict:
     from osvl.rl.report import summarize
-    from osvl.rl.rollout import pass_at_1
+    from osvl.rl.rollout import heldout_scores
     from osvl.rl.trainer import GRPOParts, train
 
     run = dataclasses.replace(cfg.run, seed=seed)
@@ -68,8 +68,9 @@ def one_run(cfg, mode: str, seed: int, model: Path, qdir: Path, questions: list[
     s = summarize(res["rows"])
     pass1 = float("nan")
     if heldout and res["checkpoint"]:
-        pass1 = pass_at_1(Path(res["checkpoint"]) / "hf", heldout, qdir / "images", cfg.rollout,
-                          cfg.eval.concurrency)
+        scores = heldout_scores(Path(res["checkpoint"]) / "hf", heldout, qdir / "images", cfg.rollout,
+                                cfg.eval.concurrency)["agentic"]
+        pass1 = sum(scores) / len(scores)
     split = s["clamped"] + s["kept_positive"]
     return {"mode": mode, "seed": seed, "rewards": [r["reward"] for r in res["rows"]], "reward_last10": s["last_mean"],
             "pass1": pass1, "fatal_rate": s["fatal_rate"],
@@ -82,8 +83,8 @@ def main() -> None:
     from osvl.config import parse_args, run_dir
     from osvl.plots import reward_curves
     from osvl.rl.job import JOB, GRPOConfig, prepare
-    from osvl.rl.rollout import pass_at_1
-    from osvl.rl.trainer import read_questions
+    from osvl.rl.rollout import heldout_scores
+    from osvl.rl.trainer import heldout_questions, read_questions
 
     args = sys.argv[1:]
     flag = {a.split("=", 1)[0][2:]: a.split("=", 1)[1] if "=" in a else "1" for a in args
@@ -107,9 +108,12 @@ def main() -> None:
     questions = sorted(read_questions(qdir / "rl.parquet"), key=lambda r: r["id"])
     if cfg.max_questions:
         questions = questions[:cfg.max_questions]
-    heldout = sorted(read_questions(qdir / "heldout.parquet"), key=lambda r: r["id"])[:cfg.eval.n_heldout]
+    heldout = heldout_questions(qdir / "heldout.parquet", cfg.eval.n_heldout)
     out = run_dir(dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, name="")), "ablation")
-    pass1_sft = pass_at_1(model, heldout, qdir / "images", cfg.rollout, cfg.eval.concurrency) if heldout else None
+    pass1_sft = None
+    if heldout:
+        scores = heldout_scores(model, heldout, qdir / "images", cfg.rollout, cfg.eval.concurrency)["agentic"]
+        pass1_sft = sum(scores) / len(scores)
     print(f"ablation: {len(modes)} modes x {seeds} seeds x {steps} steps, {len(questions)} RL questions, "
           f"{len(heldout)} held-out; policy {model}; held-out Pass@1 after SFT {pass1_sft}", flush=True)
     runs = []

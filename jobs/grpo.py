@@ -39,7 +39,10 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{label}: OK — questions, expert trajectories, SFT and {s['steps']} GRPO steps ({s['mode']}) in "
           f"{s['seconds'] / 60:.1f} min; mean reward first 10 steps {s['first_mean']:.3f} ± {s['first_se']:.3f}, "
           f"last 10 {s['last_mean']:.3f} ± {s['last_se']:.3f} ({'up' if s['improved'] else 'NOT up'} by > 2 SE); "
-          f"held-out Pass@1 after SFT {_num(s['pass1_sft'])}, after GRPO {_num(s['pass1_grpo'])}", flush=True)
+          f"held-out Pass@1 after SFT {_num(s['pass1_sft'], s['pass1_sft_se'])}, after GRPO "
+          f"{_num(s['pass1_grpo'], s['pass1_grpo_se'])} (GRPO - SFT {_num(s['pass1_diff'], s['pass1_diff_se'])}, "
+          f"{'>' if s['better'] else 'not >'} 2 paired SE), direct mode after GRPO "
+          f"{_num(s['direct_grpo'], s['direct_grpo_se'])}", flush=True)
 
 
 SUB_JOBS = ("--synth.", "--trajectories.", "--sft.")
@@ -81,8 +84,8 @@ def sub_job_overrides(cfg: GRPOConfig, args: list[str]) -> GRPOConfig:
     return dataclasses.replace(cfg, **subs)
 
 
-def _num(x: float | None) -> str:
-    return "n/a" if x is None else f"{x:.3f}"
+def _num(x: float | None, se: float | None = None) -> str:
+    return "n/a" if x is None else f"{x:.3f}" + (f" ± {se:.3f}" if se is not None and se == se else "")
 
 
 if __name__ == "__main__":

@@ -237,7 +237,7 @@ def test_grpo_pass_at_1_and_sft_format_check_run_through_the_core(questions, mon
     import osvl.agent.evaluate as core
     from osvl.agent.loop import AgentConfig
     from osvl.models.tiny import tiny_checkpoint
-    from osvl.rl.rollout import RolloutConfig, _eval_episodes, pass_at_1
+    from osvl.rl.rollout import RolloutConfig, _eval_episodes, heldout_scores
     from osvl.train.format_check import first_turns, format_check
 
     qdir = questions
@@ -252,11 +252,13 @@ def test_grpo_pass_at_1_and_sft_format_check_run_through_the_core(questions, mon
     monkeypatch.setattr(core, "evaluate_item", counting)
     model = tiny_checkpoint("qwen3_vl")
     cfg = RolloutConfig(offer=["image_search", "text_search"], agent=AgentConfig(max_turns=2, max_new_tokens=16))
-    # pass_at_1 runs its episodes in a Ray task (never the driver): the spy watches them in this process
-    assert asyncio.run(_eval_episodes(str(model), rows, str(qdir / "images"), cfg, 16)) == [0.0, 0.0]
-    assert pass_at_1(model, rows, qdir / "images", cfg) == 0.0  # the untrained model never answers
-    assert seen == [("agentic", 2, ["text_search", "image_search"])] * 2 or \
-        seen == [("agentic", 2, ["image_search", "text_search"])] * 2
+    # heldout_scores runs its episodes in a Ray task (never the driver): the spy watches them in this process
+    assert asyncio.run(_eval_episodes(str(model), rows, str(qdir / "images"), cfg, 16, ("agentic", "direct"))) == {
+        "agentic": [0.0, 0.0], "direct": [0.0, 0.0]}
+    assert sorted(m for m, _, _ in seen) == ["agentic", "agentic", "direct", "direct"]
+    assert all(turns == 2 and sorted(names) == ["image_search", "text_search"] for _, turns, names in seen)
+    # the untrained model never answers
+    assert heldout_scores(model, rows, qdir / "images", cfg) == {"agentic": [0.0, 0.0]}
     seen.clear()
     texts = first_turns(str(model), qdir / "sft.parquet", 2, ["image_search", "text_search"], max_new_tokens=16)
     assert len(texts) == 2 and all(texts)

@@ -20,17 +20,30 @@ from osvl.logs import Progress
 from osvl.rl import checkpoint as ckpt
 from osvl.rl.learner import RLConfig
 from osvl.rl.loss import MODES
-from osvl.rl.report import HEADER, format_row, summarize
+from osvl.rl.report import HEADER, format_row, held_line, heldout_report, summarize
 from osvl.rl.rollout import RolloutConfig
-from osvl.rl.trainer import JOB, GRPOParts, LearnerConfig, TrainConfig, read_questions, start_cluster, train
+from osvl.rl.trainer import (
+    JOB,
+    GRPOParts,
+    LearnerConfig,
+    TrainConfig,
+    heldout_questions,
+    read_questions,
+    start_cluster,
+    train,
+)
 from osvl.storage import publish
 
 logger = logging.getLogger(__name__)
 
 
+EVAL_MODES = ("agentic", "direct")  # direct: one turn, no tools (what the policy knows without searching)
+
+
 @dataclass
 class EvalConfig:
-    n_heldout: int = opt(50, "Held-out questions for greedy Pass@1 after SFT and after GRPO (0 skips it).")
+    n_heldout: int = opt(50, "Held-out questions for greedy Pass@1 after SFT and after GRPO (0 skips it), dealt "
+                             "round-robin over seed entities (osvl.rl.trainer.heldout_questions).")
     concurrency: int = opt(16, "Evaluation episodes in flight.", hashed=False)
 
 
@@ -96,14 +109,14 @@ def merge_data(scfg: Any, tdir: Path, qdir: Path) -> Any:
 def run(cfg: GRPOConfig, log: Callable[[str], None] = logger.info) -> dict[str, Any]:
     """The whole job (see GRPOConfig); prints a per-step table and a final summary, returns the summary."""
     from osvl.config import run_dir
-    from osvl.rl.rollout import pass_at_1
+    from osvl.rl.rollout import heldout_scores
 
     t0 = time.perf_counter()
     qdir, model = prepare(cfg, log)
     questions = sorted(read_questions(qdir / "rl.parquet"), key=lambda r: r["id"])
     if cfg.max_questions:
         questions = questions[:cfg.max_questions]
-    heldout = sorted(read_questions(qdir / "heldout.parquet"), key=lambda r: r["id"])[:cfg.eval.n_heldout]
+    heldout = heldout_questions(qdir / "heldout.parquet", cfg.eval.n_heldout)
     out = run_dir(cfg, JOB).resolve()
     start_cluster(cfg.rollout, cfg.learner)  # the evaluations run on the cluster too
     log(f"grpo: mode {cfg.rl.mode}, {cfg.train.steps} steps x {cfg.train.groups_per_step} groups x G="
@@ -112,11 +125,13 @@ def run(cfg: GRPOConfig, log: Callable[[str], None] = logger.info) -> dict[str, 
     before = None
     sft_eval = out / "pass1_sft.json"  # kept, so that a resumed run still reports it
     if heldout and sft_eval.is_file():
-        before = json.loads(sft_eval.read_text())["pass1"]
+        before = json.loads(sft_eval.read_text())["scores"]
     elif heldout and not (out / "checkpoints").is_dir():
-        before = pass_at_1(model, heldout, qdir / "images", cfg.rollout, cfg.eval.concurrency)
-        log(f"grpo: held-out Pass@1 after SFT (greedy, {len(heldout)} questions): {before:.3f}")
-        sft_eval.write_text(json.dumps({"pass1": before}))
+        before = heldout_scores(model, heldout, qdir / "images", cfg.rollout, cfg.eval.concurrency, EVAL_MODES)
+        agentic, direct = (sum(before[m]) / len(heldout) for m in EVAL_MODES)
+        log(f"grpo: held-out Pass@1 after SFT (greedy, {len(heldout)} questions): {agentic:.3f} "
+            f"(direct, no tools: {direct:.3f})")
+        sft_eval.write_text(json.dumps({"scores": before}))
         publish(out, sft_eval.name)
     parts = GRPOParts(run=cfg.run, rl=cfg.rl, rollout=cfg.rollout, learner=cfg.learner, train=cfg.train)
     log(HEADER)
@@ -135,13 +150,14 @@ def run(cfg: GRPOConfig, log: Callable[[str], None] = logger.info) -> dict[str, 
         name = Path(res["checkpoint"]).name
         kept = json.loads(grpo_eval.read_text()) if grpo_eval.is_file() else {}
         if kept.get("checkpoint") == name:
-            after = kept["pass1"]
+            after = kept["scores"]
         else:
-            after = pass_at_1(Path(res["checkpoint"]) / "hf", heldout, qdir / "images", cfg.rollout,
-                              cfg.eval.concurrency)
-            grpo_eval.write_text(json.dumps({"checkpoint": name, "pass1": after}))
+            after = heldout_scores(Path(res["checkpoint"]) / "hf", heldout, qdir / "images", cfg.rollout,
+                                   cfg.eval.concurrency, EVAL_MODES)
+            grpo_eval.write_text(json.dumps({"checkpoint": name, "scores": after}))
+    held = heldout_report(heldout, before, after)
     st = res["buffer"]
-    summary.update(pass1_sft=before, pass1_grpo=after, seconds=time.perf_counter() - t0, train_s=res["seconds"],
+    summary.update(held, seconds=time.perf_counter() - t0, train_s=res["seconds"],
                    issued=st["issued_total"], consumed=st["consumed"], dropped=st["dropped"],
                    restarts=res["restarts"], resumed_from=res["resumed_from"], mode=cfg.rl.mode, out=str(out))
     drops = [e for e in res["events"] if e.startswith("dropped")]
@@ -161,8 +177,7 @@ def run(cfg: GRPOConfig, log: Callable[[str], None] = logger.info) -> dict[str, 
     log(f"  groups: {st['issued_total']} issued, {st['consumed']} trained, {st['dropped']} dropped"
         + (f" ({'; '.join(drops[:3])})" if drops else "") + f"; staleness of trained groups {st['staleness']}; "
         f"{len(res['restarts'])} rollout-actor restarts; {summary['skipped']} non-finite steps skipped")
-    shown = ["n/a" if v is None else f"{v:.3f}" for v in (before, after)]
-    log(f"  held-out Pass@1 ({len(heldout)} questions, greedy): after SFT {shown[0]}, after GRPO {shown[1]}")
+    log(held_line(held))
     (out / "report.json").write_text(json.dumps(summary, indent=1, default=str))
     publish(out)
     return summary

@@ -19,6 +19,63 @@ def mean_se(xs: list[float]) -> tuple[float, float]:
     return m, (var / n) ** 0.5
 
 
+def clustered_mean_se(xs: list[float], clusters: list[str]) -> tuple[float, float]:
+    """Mean of ``xs`` and its cluster-robust standard error (clusters: e.g. the seed entity per question).
+
+    Held-out questions of one seed entity share its picture and neighbourhood, so they succeed or
+    fail together; the i.i.d. SE would count 100 questions of 10 seeds as 100 independent draws.
+    SE^2 = G/(G-1) * sum_g (sum_{i in g} (x_i - mean))^2 / n^2 (the CR1 sandwich of a mean). For paired
+    comparisons pass the per-question differences.
+    """
+    n = len(xs)
+    if n == 0 or len(clusters) != n:
+        return float("nan"), float("nan")
+    m = sum(xs) / n
+    sums: dict[str, float] = {}
+    for x, c in zip(xs, clusters, strict=True):
+        sums[c] = sums.get(c, 0.0) + (x - m)
+    g = len(sums)
+    if g < 2:
+        return m, float("nan")
+    return m, (g / (g - 1) * sum(v * v for v in sums.values())) ** 0.5 / n
+
+
+def heldout_report(questions: list[dict[str, Any]], before: dict[str, list[float]] | None,
+                   after: dict[str, list[float]] | None) -> dict[str, Any]:
+    """Held-out Pass@1 after SFT and after GRPO per eval mode, each with its seed-clustered SE, and the paired
+    GRPO - SFT difference of agentic Pass@1 with its clustered SE (``better``: above 2 SE); None where a side
+    was not scored. ``before``/``after`` map an eval mode to per-question scores in ``questions`` order."""
+    from osvl.rl.trainer import seed_entity
+
+    seeds = [seed_entity(q) for q in questions]
+    out: dict[str, Any] = {"heldout": len(questions), "heldout_seeds": len(set(seeds))}
+    for side, scores in (("sft", before), ("grpo", after)):
+        for mode in ("agentic", "direct"):
+            key = "pass1" if mode == "agentic" else "direct"
+            m, se = clustered_mean_se(scores[mode], seeds) if scores and mode in scores else (None, None)
+            out[f"{key}_{side}"], out[f"{key}_{side}_se"] = m, se
+    diff = diff_se = None
+    if before and after:
+        diff, diff_se = clustered_mean_se([a - b for a, b in zip(after["agentic"], before["agentic"], strict=True)],
+                                          seeds)
+    out.update(pass1_diff=diff, pass1_diff_se=diff_se,
+               better=diff is not None and diff_se is not None and diff > 2 * diff_se)
+    return out
+
+
+def held_line(h: dict[str, Any]) -> str:
+    """The summary's held-out line: Pass@1 ± clustered SE after SFT and after GRPO, the paired difference, direct."""
+    def num(key: str) -> str:
+        m, se = h.get(key), h.get(f"{key}_se")
+        return "n/a" if m is None else f"{m:.3f} ± {se:.3f}" if se == se and se is not None else f"{m:.3f}"
+
+    diff = "" if h["pass1_diff"] is None else (
+        f"; GRPO - SFT {num('pass1_diff')} (paired, {'>' if h['better'] else 'not >'} 2 SE)")
+    return (f"  held-out Pass@1 ({h['heldout']} questions of {h['heldout_seeds']} seed entities, greedy, SE clustered "
+            f"by seed): after SFT {num('pass1_sft')}, after GRPO {num('pass1_grpo')}{diff}; direct mode (no tools) "
+            f"after SFT {num('direct_sft')}, after GRPO {num('direct_grpo')}")
+
+
 def summarize(rows: list[dict[str, Any]], window: int = 10) -> dict[str, Any]:
     """First vs last ``window`` steps' mean reward (with standard errors), the clamp split, the staleness mix."""
     rewards = [r["reward"] for r in rows]

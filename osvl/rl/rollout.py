@@ -277,7 +277,7 @@ class RolloutWorker:
 
 
 async def _eval_episodes(model_dir: str, questions: list[dict[str, Any]], image_dir: str, cfg: RolloutConfig,
-                         concurrency: int) -> list[float]:
+                         concurrency: int, modes: tuple[str, ...] = ("agentic",)) -> dict[str, list[float]]:
     from osvl.agent.engines import make_engine
     from osvl.agent.evaluate import evaluate_item
     from osvl.agent.trajectory import question_images
@@ -290,22 +290,25 @@ async def _eval_episodes(model_dir: str, questions: list[dict[str, Any]], image_
     agent = cfg.episode_agent(greedy=True)
     sem = asyncio.Semaphore(concurrency)
 
-    async def one(row: dict[str, Any]) -> float:
+    async def one(row: dict[str, Any], mode: str) -> float:
         async with sem:
-            res = await evaluate_item(engine, row, question_images(Path(image_dir), row), client, "agentic", agent,
+            res = await evaluate_item(engine, row, question_images(Path(image_dir), row), client, mode, agent,
                                       processor=engine.processor, tools=tools)
             return float(res.record["correct"])
 
     try:
-        return list(await asyncio.gather(*(one(r) for r in questions)))
+        return {mode: list(await asyncio.gather(*(one(r, mode) for r in questions))) for mode in modes}
     finally:
         engine.close()
 
 
-def pass_at_1(model_dir: str | Path, questions: list[dict[str, Any]], image_dir: str | Path, cfg: RolloutConfig,
-              concurrency: int = 16) -> float:
-    """Greedy agentic Pass@1 (rule judge) of ``model_dir`` on ``questions`` through the evaluator's per-item core
-    (``osvl.agent.evaluate``), with the rollouts' budgets and offered tools.
+def heldout_scores(model_dir: str | Path, questions: list[dict[str, Any]], image_dir: str | Path,
+                   cfg: RolloutConfig, concurrency: int = 16,
+                   modes: tuple[str, ...] = ("agentic",)) -> dict[str, list[float]]:
+    """Greedy per-question scores (1 correct, 0 not; rule judge) of ``model_dir`` on ``questions`` in each eval
+    mode (``agentic``: the rollouts' budgets and offered tools; ``direct``: one turn, no tools), through the
+    evaluator's per-item core (``osvl.agent.evaluate``). Pass@1 is their mean; the scores themselves are what
+    a paired, seed-clustered comparison of two models needs (``osvl.rl.report.clustered_mean_se``).
 
     The engine runs in a Ray task with the rollout actors' resources (a GPU node in production),
     never in the driver, which runs on the CPU-only head.
@@ -314,10 +317,9 @@ def pass_at_1(model_dir: str | Path, questions: list[dict[str, Any]], image_dir:
 
     from osvl.cluster import role_resources
 
-    def evaluate(model: str, images: str) -> float:
-        scores = asyncio.run(_eval_episodes(str(storage.attach(model)), questions, str(storage.attach(images)), cfg,
-                                            concurrency))
-        return sum(scores) / max(1, len(scores))
+    def evaluate(model: str, images: str) -> dict[str, list[float]]:
+        return asyncio.run(_eval_episodes(str(storage.attach(model)), questions, str(storage.attach(images)), cfg,
+                                          concurrency, modes))
 
     task = ray.remote(evaluate).options(name="heldout_eval", num_cpus=cfg.cpus_per_actor, num_gpus=cfg.num_gpus,
                                         resources=role_resources("rollout", cfg.role_units), max_retries=1)
