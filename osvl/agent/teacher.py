@@ -60,6 +60,13 @@ class OracleConfig:
     think: Literal["full", "brief"] = opt(
         "full", "'full': a reason per turn naming what was found and what comes next; 'brief': one fixed phrase "
                 "per action (BRIEF_THINK), for students too small to copy each name twice a turn.")
+    wording: Literal["varied", "fixed"] = opt(
+        "varied", "'varied': each query and thought is one of a few wordings, drawn per rollout; 'fixed': always "
+                  "the first (best) one and no swaps, so one question has one demonstration (with reorder_prob 0).")
+    copy_space: bool = opt(
+        False, "Write a space before every query and answer, so that a name copied from the question or a tool "
+               "response is the same tokens as its source under a byte-level BPE that glues a space to the next "
+               "word (GPT-2 style; the tiny model's). Searches and the answer judge ignore the space.")
 
 
 # The whole <think> of a turn under think="brief", by action. A toy-scale simplification: the
@@ -171,9 +178,11 @@ class PathOracle:
         qid = zlib.crc32(str(self.row.get("id", "")).encode())
         return np.random.default_rng([self.seed, qid, n_turns])
 
-    @staticmethod
-    def _pick(rng: np.random.Generator, options: list[str]) -> str:
-        return options[int(rng.integers(len(options)))]
+    def _pick(self, rng: np.random.Generator, options: list[str]) -> str:
+        return options[int(rng.integers(len(options)))] if self.cfg.wording == "varied" else options[0]
+
+    def _spaced(self, text: str) -> str:
+        return " " + text if self.cfg.copy_space else text
 
     def _thought(self, action: str, think: str) -> str:
         """``think`` itself, or under think="brief" the fixed phrase of ``action`` (a tool name or "response";
@@ -242,7 +251,7 @@ class PathOracle:
                 return self._give_up(rng, "the search results never named the next entity on the path")
             top_k = self.cfg.top_k if tried == 0 else max(self.cfg.top_k, self.cfg.retry_top_k)
             return self._call(self._hop_think(hop, question, found, fresh[0], tried, rng), "text_search",
-                              {"query": fresh[0], "top_k": top_k})
+                              {"query": self._spaced(fresh[0]), "top_k": top_k})
 
         # 4. the answer: an attribute of the last entity, read off a response
         last = found[self.hops[-1].index]
@@ -253,7 +262,7 @@ class PathOracle:
                 f"{last} is the entity the question describes, and its {self._key(question)} is {answer}.",
                 f"So the chain ends at {last}; the {self._key(question)} listed there is {answer}.",
             ])
-            return assistant_text(self._thought("response", think), response=answer)
+            return assistant_text(self._thought("response", think), response=self._spaced(answer))
         queries = self._answer_queries(question, last, rng)
         asked = {_tidy(s.arguments.get("query", "")).lower() for s in steps if s.name == "text_search"}
         fresh = [q for q in queries if q.lower() not in asked]
@@ -265,7 +274,7 @@ class PathOracle:
             f"Now I need the {self._key(question)} of {last}.",
             f"Every hop is resolved; search for the {self._key(question)} of {last}.",
         ]) if tried == 0 else f"That did not show the {self._key(question)}; try another query."
-        return self._call(think, "text_search", {"query": fresh[0], "top_k": self.cfg.top_k})
+        return self._call(think, "text_search", {"query": self._spaced(fresh[0]), "top_k": self.cfg.top_k})
 
     def _give_up(self, rng: np.random.Generator, why: str) -> str:
         return assistant_text(f"I am stuck: {why}.", response=GIVE_UP)
@@ -325,7 +334,8 @@ class PathOracle:
             out.append(prev)
         elif desc and hop.kind not in ("description", "attribute"):
             out.append(desc)
-        if len(out) > 2 and rng.random() < 0.3:  # vary which wording goes first where two are about as good
+        # vary which wording goes first where two are about as good
+        if self.cfg.wording == "varied" and len(out) > 2 and rng.random() < 0.3:
             out[0], out[1] = out[1], out[0]
         seen: list[str] = []
         for q in out:
