@@ -125,7 +125,7 @@ def run(cfg: GRPOConfig, log: Callable[[str], None] = logger.info) -> dict[str, 
     before = None
     sft_eval = out / "pass1_sft.json"  # kept, so that a resumed run still reports it
     if heldout and sft_eval.is_file():
-        before = json.loads(sft_eval.read_text())["scores"]
+        before = json.loads(sft_eval.read_text()).get("scores")  # None: a run folder of an older version
     elif heldout and not (out / "checkpoints").is_dir():
         before = heldout_scores(model, heldout, qdir / "images", cfg.rollout, cfg.eval.concurrency, EVAL_MODES)
         agentic, direct = (sum(before[m]) / len(heldout) for m in EVAL_MODES)
@@ -149,7 +149,7 @@ def run(cfg: GRPOConfig, log: Callable[[str], None] = logger.info) -> dict[str, 
     if heldout and res["checkpoint"]:
         name = Path(res["checkpoint"]).name
         kept = json.loads(grpo_eval.read_text()) if grpo_eval.is_file() else {}
-        if kept.get("checkpoint") == name:
+        if kept.get("checkpoint") == name and "scores" in kept:
             after = kept["scores"]
         else:
             after = heldout_scores(Path(res["checkpoint"]) / "hf", heldout, qdir / "images", cfg.rollout,
