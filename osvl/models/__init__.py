@@ -9,4 +9,6 @@ free of torch and transformers:
   ``ModelLoadError``.
 * ``osvl.models.tiny``: ``tiny_checkpoint(kind)``, the cached tiny random-init checkpoint
   directory that tests and the demo use.
+* ``osvl.models.pretrain``: the LM pretraining loop and corpus of ``jobs/pretrain_tiny.py`` (the tiny policy
+  taught to copy before SFT).
 """

@@ -1,0 +1,194 @@
+"""Pretraining the tiny demo policy to copy (``jobs/pretrain_tiny.py``).
+
+Why: the 2.3M-parameter tiny Qwen3-VL fine-tuned from random weights on a few hundred oracle
+trajectories learns the format and never copies. Teacher-forced on held-out trajectories, every
+query's first name token was wrong (it wrote the most frequent word instead), so no episode ever
+reached an answer (Pass@1 0.000; docs/design.md, "The demo policy"). Copying a span the model has
+never seen is an induction-head skill, and induction heads take more tokens to form than the
+demo's SFT sees. This job gives the model those tokens once, offline; SFT then starts from its
+checkpoint (``--sft.model``).
+
+Corpus: oracle trajectories (``osvl.synth.expert``) of every question of the synthesize run's
+``sft`` split, with the demo's data recipe (the GRPO demo profile's ``synth`` and
+``trajectories`` sections: 2-hop, fixed wording, a space before each copied span), read as
+plain text. Each row is one trajectory's tokens after the system prompt (the same 600 tokens in
+every row teach nothing), with image placeholder tokens removed (the text model sees no
+pixels here), next-token loss on every token: a tool response that repeats the query, a query
+that repeats the question, an answer read off a response are all copies. Rows that show a
+passage of a held-out entity are cut before it (``corpus_rows``), so nothing the held-out
+questions ask about is in the corpus.
+
+Training: plain AdamW with warm-up and cosine decay in one process (the model is small enough
+that data parallelism does not pay on a CPU machine), a fixed share of rows held out for the
+validation loss. Output: ``model/``, an ordinary checkpoint directory (the base's tokenizer and
+processor files, the trained weights), and ``report.json`` (corpus size, loss curve, the final
+validation loss) in the run folder. No resume: a killed run starts again (18 minutes on 2 cores).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import random
+import re
+import shutil
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from osvl.config import RunConfig, opt
+from osvl.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+JOB = "pretrain_tiny"
+# a search hit as the tools print it: "3. Title" (text_search) or "1. Title — snippet" (image_search)
+HIT = re.compile(r"^\s*\d+\. (.+?)(?: — .*)?$", re.M)
+
+
+@dataclass
+class PretrainConfig:
+    """jobs/pretrain_tiny.py: LM-pretrain the tiny Qwen3-VL on oracle trajectories of the sft split."""
+
+    run: RunConfig = opt(RunConfig, "Run root and seed (the seed also draws batches and the validation rows).")
+    grpo_profile: str = opt("demo", "GRPO profile whose synth and trajectories sections give the data recipe "
+                                    "(the policy is pretrained on the same kind of questions and turns it is "
+                                    "fine-tuned and trained on).")
+    steps: int = opt(600, "Optimizer steps.")
+    batch: int = opt(8, "Rows per step.")
+    max_len: int = opt(1024, "Tokens per row (a row is cut after this).")
+    lr: float = opt(2e-3, "Peak learning rate (AdamW, betas 0.9/0.95, no weight decay).")
+    warmup: float = opt(0.05, "Linear warm-up, as a share of the steps.")
+    min_lr_ratio: float = opt(0.1, "Cosine floor, as a share of lr.")
+    val_rows: int = opt(64, "Rows held out for the validation loss.")
+    log_every: int = opt(50, "Progress line (with the validation loss) every N steps.", hashed=False)
+    threads: int = opt(2, "torch CPU threads.", hashed=False)
+
+    def check(self) -> None:
+        if min(self.steps, self.batch, self.max_len, self.val_rows) < 1 or self.lr <= 0:
+            raise ConfigError("steps, batch, max_len, val_rows and lr must be positive")
+
+
+def shown_titles(text: str) -> set[str]:
+    """The entity titles a tool response lists as hits."""
+    return {m.group(1).strip() for m in HIT.finditer(text)}
+
+
+def corpus_rows(trajs: Iterable[Any], tokenizer: Any, held: set[str], max_len: int) -> list[list[int]]:
+    """One token row per trajectory: after the system turn, without image placeholders, cut before the first
+    tool response that lists a held-out entity (and at ``max_len``); rows with no assistant turn left are
+    dropped."""
+    im_start, im_end = (tokenizer.convert_tokens_to_ids(t) for t in ("<|im_start|>", "<|im_end|>"))
+    pad = tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    rows = []
+    for t in trajs:
+        ids = list(t.input_ids)
+        if tokenizer.decode(ids[:4]).startswith("<|im_start|>system"):
+            ids = ids[ids.index(im_end) + 2:]  # drop "<|im_start|>system ... <|im_end|>\n"
+        # turn k's tool response is the (k+2)-th "<|im_start|>" from here: user, assistant, tool, assistant, ...
+        starts = [i for i, x in enumerate(ids) if x == im_start]
+        for k, turn in enumerate(t.turns):
+            if turn.observation and shown_titles(turn.observation) & held:
+                ids = ids[:starts[2 * k + 2]] if 2 * k + 2 < len(starts) else ids
+                break
+        ids = [x for x in ids if x != pad][:max_len]
+        if len(starts) > 1 and len(ids) > starts[1]:
+            rows.append(ids)
+    return rows
+
+
+def lr_at(step: int, cfg: PretrainConfig) -> float:
+    warm = max(1, int(cfg.warmup * cfg.steps))
+    if step < warm:
+        return cfg.lr * (step + 1) / warm
+    frac = (step - warm) / max(1, cfg.steps - warm)
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * frac)))
+
+
+def lm_loss(model: Any, rows: list[list[int]], pad_id: int) -> Any:
+    """Mean next-token cross-entropy over the real tokens of ``rows`` (right-padded)."""
+    import torch
+
+    width = max(map(len, rows))
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    att = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, :len(r)] = torch.tensor(r)
+        att[i, :len(r)] = 1
+    logits = model(input_ids=ids, attention_mask=att, use_cache=False).logits[:, :-1].float()
+    target = ids[:, 1:].masked_fill(att[:, 1:] == 0, -100)
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
+
+
+def val_loss(model: Any, rows: list[list[int]], pad_id: int, chunk: int = 16) -> float:
+    """Token-weighted validation loss over ``rows`` (in chunks, no gradient)."""
+    import torch
+
+    total = n = 0.0
+    with torch.no_grad():
+        for i in range(0, len(rows), chunk):
+            part = rows[i:i + chunk]
+            toks = sum(len(r) - 1 for r in part)
+            total += float(lm_loss(model, part, pad_id)) * toks
+            n += toks
+    return total / n
+
+
+def train(cfg: PretrainConfig, rows: list[list[int]], base: Path, out: Path,
+          log: Callable[[str], None] = logger.info) -> dict[str, Any]:
+    """Pretrain ``base``'s weights on ``rows``; writes the checkpoint ``out/model`` and ``out/report.json``;
+    returns the report."""
+    import torch
+
+    from osvl.logs import Progress
+    from osvl.models.load import load_model
+
+    torch.set_num_threads(cfg.threads)
+    torch.manual_seed(cfg.run.seed)
+    rng = random.Random(cfg.run.seed)
+    order = list(range(len(rows)))
+    rng.shuffle(order)
+    val = [rows[i] for i in order[:cfg.val_rows]]
+    train_rows = [rows[i] for i in order[cfg.val_rows:]]
+    if not train_rows:
+        raise ConfigError(f"{len(rows)} corpus rows leave none to train on after {cfg.val_rows} validation rows")
+    model = load_model(base, dtype="float32", device="cpu").train()
+    pad_id = int(model.config.text_config.pad_token_id)
+    optim = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    queue: list[int] = []
+    curve = [{"step": 0, "val": val_loss(model, val, pad_id)}]
+    t0 = time.perf_counter()
+    with Progress(cfg.steps, "pretrain", "steps") as bar:
+        for step in range(cfg.steps):
+            if len(queue) < cfg.batch:
+                more = list(range(len(train_rows)))
+                rng.shuffle(more)
+                queue += more
+            batch = [train_rows[queue.pop()] for _ in range(cfg.batch)]
+            for group in optim.param_groups:
+                group["lr"] = lr_at(step, cfg)
+            loss = lm_loss(model, batch, pad_id)
+            optim.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optim.step()
+            bar.update(1, loss=loss.item())
+            if (step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps:
+                model.eval()
+                v = val_loss(model, val, pad_id)
+                model.train()
+                curve.append({"step": step + 1, "loss": loss.item(), "val": v})
+                log(f"pretrain step {step + 1}/{cfg.steps} | loss {loss.item():.4f} | val {v:.4f} | "
+                    f"{time.perf_counter() - t0:.0f} s")
+    model.eval()
+    shutil.copytree(base, out / "model", dirs_exist_ok=True)  # tokenizer, processor, generation config
+    model.save_pretrained(out / "model")
+    report = {"rows": len(rows), "train_rows": len(train_rows), "val_rows": len(val),
+              "tokens": sum(map(len, rows)), "steps": cfg.steps, "batch": cfg.batch, "max_len": cfg.max_len,
+              "seconds": round(time.perf_counter() - t0, 1), "val_loss": curve[-1]["val"], "curve": curve,
+              "model": str(out / "model")}
+    (out / "report.json").write_text(json.dumps(report, indent=1))
+    return report

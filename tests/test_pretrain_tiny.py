@@ -1,0 +1,75 @@
+"""The tiny policy's pretraining (jobs/pretrain_tiny.py): its corpus cuts held-out entities out, the loop lowers the
+loss and leaves an ordinary checkpoint."""
+
+import json
+from types import SimpleNamespace
+
+from osvl import chat as fmt
+from osvl.models import pretrain, tiny
+from osvl.models.load import load_model, load_processor
+
+
+def _trajectory(tok, hits: list[str]) -> SimpleNamespace:
+    call = fmt.assistant_text("Search.", tool_call={"name": "text_search", "arguments": {"query": " Nairobi"}})
+    seen = "Search results for \" Nairobi\":\n" + "\n".join(f"{i + 1}. {h}\n   A passage." for i, h in enumerate(hits))
+    messages = [{"role": "user", "content": "What is the capital of the one whose capital is Nairobi?"},
+                {"role": "assistant", "content": call}, {"role": "tool", "content": seen},
+                {"role": "assistant", "content": fmt.assistant_text("Done.", response=" Nairobi")}]
+    tools = [{"type": "function", "function": {"name": "text_search", "description": "Search text.", "parameters": {
+        "type": "object", "properties": {"query": {"type": "string"}}, "required": ["query"]}}}]
+    ids = tok(fmt.render(messages, tools=tools), add_special_tokens=False)["input_ids"]
+    return SimpleNamespace(input_ids=ids, turns=[SimpleNamespace(observation=seen), SimpleNamespace(observation="")])
+
+
+def test_corpus_rows_drop_the_system_turn_and_cut_before_a_held_out_passage():
+    tok = load_processor(tiny.tiny_checkpoint("qwen3_vl")).tokenizer
+    clean, leaky = _trajectory(tok, ["Kenya", "Uganda"]), _trajectory(tok, ["Uganda", "Kenya"])
+    kept = pretrain.corpus_rows([clean], tok, {"Tanzania"}, 10_000)
+    text = tok.decode(kept[0])
+    assert text.startswith("<|im_start|>user\nWhat is the capital") and "system" not in text
+    assert "1. Kenya" in text and text.rstrip().endswith("</response><|im_end|>")
+    cut = pretrain.corpus_rows([leaky], tok, {"Kenya"}, 10_000)
+    assert len(cut) == 1 and "Kenya" not in tok.decode(cut[0]) and "Uganda" not in tok.decode(cut[0])
+    assert tok.decode(cut[0]).rstrip().endswith("</tool_call><|im_end|>")  # the call stays, its answer goes
+    assert len(pretrain.corpus_rows([clean], tok, set(), 60)[0]) == 60
+    assert pretrain.corpus_rows([clean], tok, set(), 12) == []  # cut inside the question: nothing to learn to say
+
+
+def test_pretraining_lowers_the_loss_and_writes_a_checkpoint_sft_can_load(tmp_path):
+    from osvl.config import RunConfig
+
+    base = tiny.tiny_checkpoint("qwen3_vl")
+    tok = load_processor(base).tokenizer
+    rows = pretrain.corpus_rows([_trajectory(tok, [f"Place {i}"]) for i in range(6)], tok, set(), 10_000)
+    cfg = pretrain.PretrainConfig(run=RunConfig(root=str(tmp_path)), steps=12, batch=2, val_rows=2, lr=3e-3,
+                                  log_every=6)
+    report = pretrain.train(cfg, rows, base, tmp_path, log=lambda m: None)
+    assert report["train_rows"] == 4 and [c["step"] for c in report["curve"]] == [0, 6, 12]
+    assert report["val_loss"] < report["curve"][0]["val"] - 1  # the rows share most of their text
+    model = load_model(tmp_path / "model", dtype="float32", device="cpu").eval()  # an ordinary checkpoint
+    assert pretrain.val_loss(model, rows, int(model.config.text_config.pad_token_id)) < report["curve"][0]["val"] - 1
+    assert (tmp_path / "model" / "tokenizer.json").is_file() and json.loads((tmp_path / "report.json").read_text())
+
+
+def test_split_titles_name_the_entities_each_split_walks_through(tmp_path):
+    """What the corpus leaves out (every held-out entity) is the split the synthesizer walks held-out questions in."""
+    from osvl.config import RunConfig, parse_args, upstream_config
+    from osvl.rl.job import GRPOConfig
+    from osvl.rl.trainer import JOB as GRPO_JOB
+    from osvl.synth import pipeline
+    from osvl.synth.walks import Graph
+
+    grpo = parse_args(GRPOConfig, GRPO_JOB, ["--profile=demo"])
+    cfg = upstream_config(pipeline.SynthConfig, pipeline.JOB, RunConfig(), grpo.synth)
+    cfg.questions_per_seed, cfg.attempts_per_seed = 4, 30
+    held = pipeline.split_titles(cfg, "heldout")
+    graph = Graph.load(None, max_answer_words=cfg.walk.max_answer_words)
+    shards, split_of = pipeline.plan(graph, cfg)
+    rows = [r for k in range(len(shards))
+            for r in pipeline.synthesize_shard(graph, cfg, k, shards[k], split_of,
+                                               pipeline.ImageStore(graph, tmp_path))[0]]
+    splits = {r["split"] for r in rows}
+    assert {"sft", "heldout"} <= splits
+    for r in rows:
+        titles = {p["title"] for p in r["path"]}
+        assert titles <= held if r["split"] == "heldout" else not titles & held, (r["split"], titles)
