@@ -15,14 +15,14 @@ plain text. Each row is one trajectory's tokens after the system prompt (the sam
 every row teach nothing), with image placeholder tokens removed (the text model sees no
 pixels here), next-token loss on every token: a tool response that repeats the query, a query
 that repeats the question, an answer read off a response are all copies. Rows that show a
-passage of a held-out entity are cut before it (``corpus_rows``), so nothing the held-out
-questions ask about is in the corpus.
+passage of a held-out entity are cut before it (``corpus_rows``), so no passage the held-out
+questions' answers are read from is in the corpus (a name can still appear in another entity's text).
 
 Training: plain AdamW with warm-up and cosine decay in one process (the model is small enough
 that data parallelism does not pay on a CPU machine), a fixed share of rows held out for the
 validation loss. Output: ``model/``, an ordinary checkpoint directory (the base's tokenizer and
 processor files, the trained weights), and ``report.json`` (corpus size, loss curve, the final
-validation loss) in the run folder. No resume: a killed run starts again (18 minutes on 2 cores).
+validation loss) in the run folder. No resume: a killed run starts again (18-26 minutes on 2 cores).
 """
 
 from __future__ import annotations
