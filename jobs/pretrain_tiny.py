@@ -14,7 +14,6 @@ Deterministic from ``run.seed`` on one machine type; nothing is downloaded.
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
@@ -48,9 +47,7 @@ def main(argv: list[str] | None = None) -> dict:
     rows = corpus_rows(read_trajectories(tdir / "trajectories.parquet"), load_processor(base).tokenizer, held,
                        cfg.max_len)
     out = run_dir(cfg, JOB)
-    report = train(cfg, rows, base, out)
-    report.update(trajectories=str(tdir), heldout_entities=len(held))
-    (out / "report.json").write_text(json.dumps(report, indent=1))
+    report = train(cfg, rows, base, out, extra={"trajectories": str(tdir), "heldout_entities": len(held)})
     print(f"pretrain_tiny: {report['rows']} rows ({report['tokens']:,} tokens; {len(held)} held-out entities cut "
           f"out), {cfg.steps} steps in {report['seconds'] / 60:.1f} min, validation loss {report['val_loss']:.4f} "
           f"-> {report['model']}", flush=True)

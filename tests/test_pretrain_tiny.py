@@ -35,6 +35,24 @@ def test_corpus_rows_drop_the_system_turn_and_cut_before_a_held_out_passage():
     assert pretrain.corpus_rows([clean], tok, set(), 12) == []  # cut inside the question: nothing to learn to say
 
 
+def test_swap_spans_replaces_every_copied_span_consistently_and_keeps_the_rows_structure():
+    """A swapped row is still a demonstration: the query repeats the question's clause value, the tool response
+    lists the same hits, the answer reads off the response; only the copied words are new."""
+    import random
+
+    tok = load_processor(tiny.tiny_checkpoint("qwen3_vl")).tokenizer
+    text = tok.decode(pretrain.corpus_rows([_trajectory(tok, ["Kenya", "Uganda"])], tok, set(), 10_000)[0])
+    assert pretrain.copy_spans(text) == {"Nairobi": "value", "Kenya": "name", "Uganda": "name"}
+    pool = {"value": ["Lake Victoria (UTC+3)"], "name": ["Ada Lovelace", "Ada Lovelace"]}
+    swapped = pretrain.swap_spans(text, pool, random.Random(0))
+    assert "Nairobi" not in swapped and "Kenya" not in swapped and "Uganda" not in swapped
+    assert swapped.count("Lake Victoria (UTC+3)") == text.count("Nairobi") == 4
+    assert swapped.replace("Lake Victoria (UTC+3)", "Nairobi").replace("Ada Lovelace", "X") == \
+        text.replace("Kenya", "X").replace("Uganda", "X")
+    with_word = text.replace("capital of the one", "capital of the Nairobian one")
+    assert "Nairobian" in pretrain.swap_spans(with_word, pool, random.Random(0))  # whole words only
+
+
 def test_pretraining_lowers_the_loss_and_writes_a_checkpoint_sft_can_load(tmp_path):
     from osvl.config import RunConfig
 
@@ -42,13 +60,14 @@ def test_pretraining_lowers_the_loss_and_writes_a_checkpoint_sft_can_load(tmp_pa
     tok = load_processor(base).tokenizer
     rows = pretrain.corpus_rows([_trajectory(tok, [f"Place {i}"]) for i in range(6)], tok, set(), 10_000)
     cfg = pretrain.PretrainConfig(run=RunConfig(root=str(tmp_path)), steps=12, batch=2, val_rows=2, lr=3e-3,
-                                  log_every=6)
-    report = pretrain.train(cfg, rows, base, tmp_path, log=lambda m: None)
+                                  log_every=6, swap_share=0.5)
+    report = pretrain.train(cfg, rows, base, tmp_path, extra={"corpus": "six rows"}, log=lambda m: None)
     assert report["train_rows"] == 4 and [c["step"] for c in report["curve"]] == [0, 6, 12]
     assert report["val_loss"] < report["curve"][0]["val"] - 1  # the rows share most of their text
     model = load_model(tmp_path / "model", dtype="float32", device="cpu").eval()  # an ordinary checkpoint
     assert pretrain.val_loss(model, rows, int(model.config.text_config.pad_token_id)) < report["curve"][0]["val"] - 1
-    assert (tmp_path / "model" / "tokenizer.json").is_file() and json.loads((tmp_path / "report.json").read_text())
+    assert (tmp_path / "model" / "tokenizer.json").is_file() 
+    assert json.loads((tmp_path / "report.json").read_text())["corpus"] == "six rows"
 
 
 def test_split_titles_name_the_entities_each_split_walks_through(tmp_path):

@@ -47,6 +47,11 @@ logger = logging.getLogger(__name__)
 JOB = "pretrain_tiny"
 # a search hit as the tools print it: "3. Title" (text_search) or "1. Title — snippet" (image_search)
 HIT = re.compile(r"^\s*\d+\. (.+?)(?: — .*)?$", re.M)
+# spans of the question an agent copies into its queries: a clause's value ("whose currency is CFP franc
+# (XPF) mentioned in") and a fuzzy description ("on the British explorer (1728–1779) mentioned in")
+CLAUSE = re.compile(r"whose .+? is (.+?) (?=mentioned in|that is)")
+DESC = re.compile(r"(?:on|of) the (?!one whose)(.+?) (?=mentioned in the article)")
+ANSWER = re.compile(r"<response>\s?(.+?)</response>")
 
 
 @dataclass
@@ -64,12 +69,18 @@ class PretrainConfig:
     warmup: float = opt(0.05, "Linear warm-up, as a share of the steps.")
     min_lr_ratio: float = opt(0.1, "Cosine floor, as a share of lr.")
     val_rows: int = opt(64, "Rows held out for the validation loss.")
+    swap_share: float = opt(0.0, "Share of training rows whose copied spans (clause values, descriptions, hit "
+                                 "titles, the answer) are swapped for other rows' spans of the same kind, "
+                                 "consistently within the row (``swap_spans``): a copied span can then only be "
+                                 "predicted by copying, not recalled.")
     log_every: int = opt(50, "Progress line (with the validation loss) every N steps.", hashed=False)
     threads: int = opt(2, "torch CPU threads.", hashed=False)
 
     def check(self) -> None:
         if min(self.steps, self.batch, self.max_len, self.val_rows) < 1 or self.lr <= 0:
             raise ConfigError("steps, batch, max_len, val_rows and lr must be positive")
+        if not 0.0 <= self.swap_share <= 1.0:
+            raise ConfigError(f"swap_share must be in [0, 1], got {self.swap_share}")
 
 
 def shown_titles(text: str) -> set[str]:
@@ -98,6 +109,30 @@ def corpus_rows(trajs: Iterable[Any], tokenizer: Any, held: set[str], max_len: i
         if len(starts) > 1 and len(ids) > starts[1]:
             rows.append(ids)
     return rows
+
+
+def copy_spans(text: str) -> dict[str, str]:
+    """The spans of a rendered trajectory an agent copies, each with its kind: ``value`` (a clause's value,
+    the answer) or ``name`` (a description in the question, a hit's title)."""
+    question = text.split("<|im_end|>", 1)[0]
+    spans = {m.group(1).strip(): "name" for m in HIT.finditer(text)}
+    spans.update({m.group(1).strip(): "name" for m in DESC.finditer(question)})
+    spans.update({m.group(1).strip(): "value" for m in CLAUSE.finditer(question)})
+    spans.update({m.group(1).strip(): "value" for m in ANSWER.finditer(text)})
+    return {k: v for k, v in spans.items() if len(k) > 1}
+
+
+def swap_spans(text: str, pool: dict[str, list[str]], rng: random.Random) -> str:
+    """``text`` with every copied span replaced, at each occurrence, by a span of the same kind drawn from
+    ``pool``: the row stays a valid demonstration (each query still repeats what it repeated, each answer
+    still reads off the response) whose copied words no longer recall anything."""
+    spans = copy_spans(text)
+    if not spans:
+        return text
+    new = {k: rng.choice(pool[kind]) for k, kind in spans.items()}
+    # longest first, whole words only, one pass: a swapped-in span is never swapped again
+    alt = "|".join(re.escape(k) for k in sorted(spans, key=len, reverse=True))
+    return re.sub(rf"(?<!\w)(?:{alt})(?!\w)", lambda m: new[m.group(0)], text)
 
 
 def lr_at(step: int, cfg: PretrainConfig) -> float:
@@ -137,10 +172,32 @@ def val_loss(model: Any, rows: list[list[int]], pad_id: int, chunk: int = 16) ->
     return total / n
 
 
-def train(cfg: PretrainConfig, rows: list[list[int]], base: Path, out: Path,
+def _swapper(cfg: PretrainConfig, rows: list[list[int]], base: Path,
+             rng: random.Random) -> Callable[[list[int]], list[int]]:
+    """The batch-time row transform: ``swap_spans`` on a ``swap_share`` of rows (re-tokenized), the pool being
+    the training rows' own spans."""
+    if cfg.swap_share == 0:
+        return lambda row: row
+    from osvl.models.load import load_processor
+
+    tok = load_processor(base).tokenizer
+    pool: dict[str, set[str]] = {"name": set(), "value": set()}
+    for row in rows:
+        for span, kind in copy_spans(tok.decode(row)).items():
+            pool[kind].add(span)
+    lists = {k: sorted(v) for k, v in pool.items()}
+
+    def swap(row: list[int]) -> list[int]:
+        if rng.random() >= cfg.swap_share:
+            return row
+        return tok.encode(swap_spans(tok.decode(row), lists, rng), add_special_tokens=False)[:cfg.max_len]
+    return swap
+
+
+def train(cfg: PretrainConfig, rows: list[list[int]], base: Path, out: Path, extra: dict[str, Any] | None = None,
           log: Callable[[str], None] = logger.info) -> dict[str, Any]:
-    """Pretrain ``base``'s weights on ``rows``; writes the checkpoint ``out/model`` and ``out/report.json``;
-    returns the report."""
+    """Pretrain ``base``'s weights on ``rows``; writes the checkpoint ``out/model`` and ``out/report.json``
+    (with ``extra``'s keys added); returns the report."""
     import torch
 
     from osvl.logs import Progress
@@ -156,6 +213,7 @@ def train(cfg: PretrainConfig, rows: list[list[int]], base: Path, out: Path,
     if not train_rows:
         raise ConfigError(f"{len(rows)} corpus rows leave none to train on after {cfg.val_rows} validation rows")
     model = load_model(base, dtype="float32", device="cpu").train()
+    swap = _swapper(cfg, train_rows, base, rng)
     pad_id = int(model.config.text_config.pad_token_id)
     optim = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
     queue: list[int] = []
@@ -167,7 +225,7 @@ def train(cfg: PretrainConfig, rows: list[list[int]], base: Path, out: Path,
                 more = list(range(len(train_rows)))
                 rng.shuffle(more)
                 queue += more
-            batch = [train_rows[queue.pop()] for _ in range(cfg.batch)]
+            batch = [swap(train_rows[queue.pop()]) for _ in range(cfg.batch)]
             for group in optim.param_groups:
                 group["lr"] = lr_at(step, cfg)
             loss = lm_loss(model, batch, pad_id)
@@ -189,6 +247,6 @@ def train(cfg: PretrainConfig, rows: list[list[int]], base: Path, out: Path,
     report = {"rows": len(rows), "train_rows": len(train_rows), "val_rows": len(val),
               "tokens": sum(map(len, rows)), "steps": cfg.steps, "batch": cfg.batch, "max_len": cfg.max_len,
               "seconds": round(time.perf_counter() - t0, 1), "val_loss": curve[-1]["val"], "curve": curve,
-              "model": str(out / "model")}
+              "model": str(out / "model"), **(extra or {})}
     (out / "report.json").write_text(json.dumps(report, indent=1))
     return report

@@ -106,7 +106,7 @@ def heldout_questions(path: str | Path, n: int) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     queues = list(by_seed.values())
     while len(out) < n and queues:
-        out += [q.pop(0) for q in queues][:n - len(out)]
+        out += [q.pop(0) for q in queues[:n - len(out)]]
         queues = [q for q in queues if q]
     return out
 
