@@ -18,6 +18,11 @@ that repeats the question, an answer read off a response are all copies. Rows th
 passage of a held-out entity are cut before it (``corpus_rows``), so no passage the held-out
 questions' answers are read from is in the corpus (a name can still appear in another entity's text).
 
+With ``swap_share`` a share of rows has its copied spans swapped for other rows' (``swap_spans``),
+so that a copy cannot be recalled from the corpus. Neither variant made the tiny model copy whole
+spans: its induction heads form only after a plateau far longer than this corpus (docs/design.md,
+"The demo policy", has the measurements).
+
 Training: plain AdamW with warm-up and cosine decay in one process (the model is small enough
 that data parallelism does not pay on a CPU machine), a fixed share of rows held out for the
 validation loss. Output: ``model/``, an ordinary checkpoint directory (the base's tokenizer and
