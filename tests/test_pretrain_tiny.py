@@ -51,6 +51,8 @@ def test_swap_spans_replaces_every_copied_span_consistently_and_keeps_the_rows_s
         text.replace("Kenya", "X").replace("Uganda", "X")
     with_word = text.replace("capital of the one", "capital of the Nairobian one")
     assert "Nairobian" in pretrain.swap_spans(with_word, pool, random.Random(0))  # whole words only
+    names_only = pretrain.swap_spans(text, {"name": ["Ada Lovelace"], "value": []}, random.Random(0))
+    assert "Nairobi" in names_only and "Kenya" not in names_only  # a kind with nothing to draw stays as it is
 
 
 def test_pretraining_lowers_the_loss_and_writes_a_checkpoint_sft_can_load(tmp_path):

@@ -131,12 +131,11 @@ def swap_spans(text: str, pool: dict[str, list[str]], rng: random.Random) -> str
     """``text`` with every copied span replaced, at each occurrence, by a span of the same kind drawn from
     ``pool``: the row stays a valid demonstration (each query still repeats what it repeated, each answer
     still reads off the response) whose copied words no longer recall anything."""
-    spans = copy_spans(text)
-    if not spans:
+    new = {k: rng.choice(pool[kind]) for k, kind in copy_spans(text).items() if pool.get(kind)}
+    if not new:
         return text
-    new = {k: rng.choice(pool[kind]) for k, kind in spans.items()}
     # longest first, whole words only, one pass: a swapped-in span is never swapped again
-    alt = "|".join(re.escape(k) for k in sorted(spans, key=len, reverse=True))
+    alt = "|".join(re.escape(k) for k in sorted(new, key=len, reverse=True))
     return re.sub(rf"(?<!\w)(?:{alt})(?!\w)", lambda m: new[m.group(0)], text)
 
 
