@@ -69,7 +69,33 @@ def test_pretraining_lowers_the_loss_and_writes_a_checkpoint_sft_can_load(tmp_pa
     model = load_model(tmp_path / "model", dtype="float32", device="cpu").eval()  # an ordinary checkpoint
     assert pretrain.val_loss(model, rows, int(model.config.text_config.pad_token_id)) < report["curve"][0]["val"] - 1
     assert (tmp_path / "model" / "tokenizer.json").is_file() 
-    assert json.loads((tmp_path / "report.json").read_text())["corpus"] == "six rows"
+    saved = json.loads((tmp_path / "report.json").read_text())
+    assert saved["corpus"] == "six rows" and set(saved["turns"]) == {"search1", "answer"}
+    assert all(n == 2 for _, n in saved["turns"].values())  # two validation rows, one turn of each kind in each
+
+
+def test_turn_probe_counts_a_turn_only_when_every_greedy_token_is_right():
+    """A model that repeats its input's next token (logits = one-hot of the true token) reproduces every turn;
+    one that is wrong on a single token of the answer loses that turn and no other."""
+    import torch
+
+    tok = load_processor(tiny.tiny_checkpoint("qwen3_vl")).tokenizer
+    row = pretrain.corpus_rows([_trajectory(tok, ["Kenya"])], tok, set(), 10_000)[0]
+    answer_at = row.index(tok.convert_tokens_to_ids("<response>")) + 1
+
+    class Oracle:
+        def __init__(self, wrong_at=None):
+            self.wrong_at = wrong_at
+
+        def __call__(self, input_ids, use_cache):
+            ids = input_ids[0].tolist()
+            logits = torch.zeros(1, len(ids), len(tok))
+            for i, nxt in enumerate(ids[1:] + [0]):
+                logits[0, i, 0 if i + 1 == self.wrong_at else nxt] = 1.0
+            return SimpleNamespace(logits=logits)
+
+    assert pretrain.turn_probe(Oracle(), [row], tok) == {"search1": [1, 1], "answer": [1, 1]}
+    assert pretrain.turn_probe(Oracle(answer_at), [row], tok) == {"search1": [1, 1], "answer": [0, 1]}
 
 
 def test_split_titles_name_the_entities_each_split_walks_through(tmp_path):

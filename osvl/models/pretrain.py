@@ -27,7 +27,8 @@ Training: plain AdamW with warm-up and cosine decay in one process (the model is
 that data parallelism does not pay on a CPU machine), a fixed share of rows held out for the
 validation loss. Output: ``model/``, an ordinary checkpoint directory (the base's tokenizer and
 processor files, the trained weights), and ``report.json`` (corpus size, loss curve, the final
-validation loss) in the run folder. No resume: a killed run starts again (18-26 minutes on 2 cores).
+validation loss, the validation turns greedy decoding reproduces whole: ``turn_probe``) in the run
+folder. No resume: a killed run starts again (18-26 minutes on 2 cores).
 """
 
 from __future__ import annotations
@@ -139,6 +140,35 @@ def swap_spans(text: str, pool: dict[str, list[str]], rng: random.Random) -> str
     return re.sub(rf"(?<!\w)(?:{alt})(?!\w)", lambda m: new[m.group(0)], text)
 
 
+def turn_probe(model: Any, rows: list[list[int]], tokenizer: Any) -> dict[str, list[int]]:
+    """Per kind of assistant turn (``image_search``, ``search1``, ``search2+``, ``answer``): [turns greedy
+    decoding reproduces token for token from the true prefix, turns]. A copy is only useful whole: this
+    counts what the token-averaged loss hides (the first token of a span wrong, the rest right)."""
+    import torch
+
+    head = tokenizer.encode("<|im_start|>assistant\n", add_special_tokens=False)
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    out: dict[str, list[int]] = {}
+    with torch.no_grad():
+        for row in rows:
+            pred = model(input_ids=torch.tensor([row]), use_cache=False).logits[0].argmax(-1).tolist()
+            searches = 0
+            for i in range(len(row) - len(head)):
+                if row[i:i + len(head)] != head or end not in row[i + len(head):]:
+                    continue  # not a turn start, or a turn the row cuts off
+                a = i + len(head)
+                b = row.index(end, a)
+                text = tokenizer.decode(row[a:b])
+                kind = "image_search" if "image_search" in text else "answer" if "<response>" in text else None
+                if kind is None:
+                    searches += 1
+                    kind = "search1" if searches == 1 else "search2+"
+                tally = out.setdefault(kind, [0, 0])
+                tally[0] += pred[a - 1:b - 1] == row[a:b]
+                tally[1] += 1
+    return out
+
+
 def lr_at(step: int, cfg: PretrainConfig) -> float:
     warm = max(1, int(cfg.warmup * cfg.steps))
     if step < warm:
@@ -205,7 +235,7 @@ def train(cfg: PretrainConfig, rows: list[list[int]], base: Path, out: Path, ext
     import torch
 
     from osvl.logs import Progress
-    from osvl.models.load import load_model
+    from osvl.models.load import load_model, load_processor
 
     torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.run.seed)
@@ -246,11 +276,13 @@ def train(cfg: PretrainConfig, rows: list[list[int]], base: Path, out: Path, ext
                 log(f"pretrain step {step + 1}/{cfg.steps} | loss {loss.item():.4f} | val {v:.4f} | "
                     f"{time.perf_counter() - t0:.0f} s")
     model.eval()
+    turns = turn_probe(model, val, load_processor(base).tokenizer)
+    log("pretrain: validation turns reproduced whole: " + ", ".join(f"{k} {a}/{n}" for k, (a, n) in turns.items()))
     shutil.copytree(base, out / "model", dirs_exist_ok=True)  # tokenizer, processor, generation config
     model.save_pretrained(out / "model")
     report = {"rows": len(rows), "train_rows": len(train_rows), "val_rows": len(val),
               "tokens": sum(map(len, rows)), "steps": cfg.steps, "batch": cfg.batch, "max_len": cfg.max_len,
               "seconds": round(time.perf_counter() - t0, 1), "val_loss": curve[-1]["val"], "curve": curve,
-              "model": str(out / "model"), **(extra or {})}
+              "turns": turns, "model": str(out / "model"), **(extra or {})}
     (out / "report.json").write_text(json.dumps(report, indent=1))
     return report
