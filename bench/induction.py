@@ -8,7 +8,7 @@ tokenizer's full vocabulary. This bench trains, from the same random weights, tw
 synthetic copy rows and scores each on fresh rows:
 
 - ``as_built``: the checkpoint as ``tiny_checkpoint`` builds it;
-- ``tied_scaled``: output embeddings tied to the input ones, those scaled by ``--scale`` (25: std 0.5).
+- ``tied_scaled``: output embeddings tied to the input ones, those scaled by ``--scale`` (5: std 0.1).
   A copy circuit then needs no per-token output row: the logit of token x for a residual that carries
   x's embedding is |e_x|^2, the largest of all, for every token, seen in training or not.
 
@@ -16,7 +16,7 @@ A row: 5-30 random tokens, a marker (``"query":``), a span of 3-8 random tokens,
 tokens, the marker, the span again; the loss counts the second span only (the rest is unpredictable
 by construction). Tokens are drawn from ``--vocab`` ordinary tokens of the tiny tokenizer.
 
-    .venv/bin/python bench/induction.py [--steps=1500] [--vocab=3700] [--scale=25] [--batch=32]
+    .venv/bin/python bench/induction.py [--steps=1500] [--vocab=3700] [--scale=5] [--batch=32]
 
 Last stdout line: JSON with each variant's final copy loss and whole spans copied (of 100 fresh
 rows), and ``ratio`` = the as-built copy loss over the tied-scaled one (chance is ln(vocab)).
@@ -109,7 +109,7 @@ def main() -> None:
 
     flag = {a.split("=", 1)[0][2:]: a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--") and "=" in a}
     steps, n_vocab = int(flag.get("steps", 1500)), int(flag.get("vocab", 3700))
-    batch, scale = int(flag.get("batch", 32)), float(flag.get("scale", 25))
+    batch, scale = int(flag.get("batch", 32)), float(flag.get("scale", 5))
     torch.set_num_threads(2)
     base = tiny_checkpoint("qwen3_vl")
     tok = load_processor(base).tokenizer
