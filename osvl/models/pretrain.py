@@ -206,15 +206,12 @@ def val_loss(model: Any, rows: list[list[int]], pad_id: int, chunk: int = 16) ->
     return total / n
 
 
-def _swapper(cfg: PretrainConfig, rows: list[list[int]], base: Path,
+def _swapper(cfg: PretrainConfig, rows: list[list[int]], tok: Any,
              rng: random.Random) -> Callable[[list[int]], list[int]]:
     """The batch-time row transform: ``swap_spans`` on a ``swap_share`` of rows (re-tokenized), the pool being
     the training rows' own spans."""
     if cfg.swap_share == 0:
         return lambda row: row
-    from osvl.models.load import load_processor
-
-    tok = load_processor(base).tokenizer
     pool: dict[str, set[str]] = {"name": set(), "value": set()}
     for row in rows:
         for span, kind in copy_spans(tok.decode(row)).items():
@@ -247,7 +244,8 @@ def train(cfg: PretrainConfig, rows: list[list[int]], base: Path, out: Path, ext
     if not train_rows:
         raise ConfigError(f"{len(rows)} corpus rows leave none to train on after {cfg.val_rows} validation rows")
     model = load_model(base, dtype="float32", device="cpu").train()
-    swap = _swapper(cfg, train_rows, base, rng)
+    tok = load_processor(base).tokenizer  # swaps re-tokenize rows; the turn probe reads turns
+    swap = _swapper(cfg, train_rows, tok, rng)
     pad_id = int(model.config.text_config.pad_token_id)
     optim = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
     queue: list[int] = []
@@ -276,7 +274,7 @@ def train(cfg: PretrainConfig, rows: list[list[int]], base: Path, out: Path, ext
                 log(f"pretrain step {step + 1}/{cfg.steps} | loss {loss.item():.4f} | val {v:.4f} | "
                     f"{time.perf_counter() - t0:.0f} s")
     model.eval()
-    turns = turn_probe(model, val, load_processor(base).tokenizer)
+    turns = turn_probe(model, val, tok)
     log("pretrain: validation turns reproduced whole: " + ", ".join(f"{k} {a}/{n}" for k, (a, n) in turns.items()))
     shutil.copytree(base, out / "model", dirs_exist_ok=True)  # tokenizer, processor, generation config
     model.save_pretrained(out / "model")
