@@ -62,14 +62,19 @@ def test_pretraining_lowers_the_loss_and_writes_a_checkpoint_sft_can_load(tmp_pa
     tok = load_processor(base).tokenizer
     rows = pretrain.corpus_rows([_trajectory(tok, [f"Place {i}"]) for i in range(6)], tok, set(), 10_000)
     cfg = pretrain.PretrainConfig(run=RunConfig(root=str(tmp_path)), steps=12, batch=2, val_rows=2, lr=3e-3,
-                                  log_every=6, swap_share=0.5)
+                                  log_every=6, swap_share=0.5, embed_scale=5.0, copy_steps=2)
     report = pretrain.train(cfg, rows, base, tmp_path, extra={"corpus": "six rows"}, log=lambda m: None)
     assert report["train_rows"] == 4 and [c["step"] for c in report["curve"]] == [0, 6, 12]
     assert report["val_loss"] < report["curve"][0]["val"] - 1  # the rows share most of their text
     model = load_model(tmp_path / "model", dtype="float32", device="cpu").eval()  # an ordinary checkpoint
     assert pretrain.val_loss(model, rows, int(model.config.text_config.pad_token_id)) < report["curve"][0]["val"] - 1
-    assert (tmp_path / "model" / "tokenizer.json").is_file() 
+    assert (tmp_path / "model" / "tokenizer.json").is_file()
+    as_built = load_model(base, dtype="float32", device="cpu").get_input_embeddings().weight
+    emb = model.get_input_embeddings().weight  # tied and scaled x5 before training, and saved so
+    assert model.get_output_embeddings().weight.data_ptr() == emb.data_ptr()
+    assert 4 < float(emb.detach().std() / as_built.detach().std()) < 6
     saved = json.loads((tmp_path / "report.json").read_text())
+    assert saved["copy"]["of"] == 100 and 0 <= saved["copy"]["copied"] <= 100  # the synthetic phase ran and scored
     assert saved["corpus"] == "six rows" and set(saved["turns"]) == {"search1", "answer"}
     assert all(n == 2 for _, n in saved["turns"].values())  # two validation rows, one turn of each kind in each
 
@@ -120,3 +125,25 @@ def test_split_titles_name_the_entities_each_split_walks_through(tmp_path):
     for r in rows:
         titles = {p["title"] for p in r["path"]}
         assert titles <= held if r["split"] == "heldout" else not titles & held, (r["split"], titles)
+
+
+def test_lm_loss_with_starts_counts_only_the_tokens_from_each_rows_start():
+    """The synthetic copy rows' loss: only the copied span is predictable, so only it counts."""
+    import random
+
+    import torch
+
+    base = tiny.tiny_checkpoint("qwen3_vl")
+    model = load_model(base, dtype="float32", device="cpu").eval()
+    pad = int(model.config.text_config.pad_token_id)
+    rng = random.Random(0)
+    (a, sa), (b, sb) = (pretrain.copy_row(rng, list(range(300, 400)), [7, 8]) for _ in range(2))
+    assert a[sa - 2:sa] == [7, 8] and a[sa:] == a[a.index(7) + 2:a.index(7) + 2 + len(a) - sa]  # span copied
+    with torch.no_grad():
+        logits = [model(input_ids=torch.tensor([r]), use_cache=False).logits[0] for r in (a, b)]
+        want = torch.cat([logits[0][sa - 1:-1], logits[1][sb - 1:-1]])
+        target = torch.tensor(a[sa:] + b[sb:])
+        expected = torch.nn.functional.cross_entropy(want, target)
+        got = pretrain.lm_loss(model, [a, b], pad, [sa, sb])
+    assert abs(float(got) - float(expected)) < 1e-4
+    assert abs(float(pretrain.lm_loss(model, [a, b], pad)) - float(got)) > 1e-3  # without starts: every token

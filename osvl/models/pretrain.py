@@ -58,6 +58,7 @@ HIT = re.compile(r"^\s*\d+\. (.+?)(?: — .*)?$", re.M)
 CLAUSE = re.compile(r"whose .+? is (.+?) (?=mentioned in|that is)")
 DESC = re.compile(r"(?:on|of) the (?!one whose)(.+?) (?=mentioned in the article)")
 ANSWER = re.compile(r"<response>\s?(.+?)</response>")
+FIRST_ORDINARY = 300  # token ids below are bytes, special tokens and the most frequent merges: no copy spans
 
 
 @dataclass
@@ -75,6 +76,11 @@ class PretrainConfig:
     warmup: float = opt(0.05, "Linear warm-up, as a share of the steps.")
     min_lr_ratio: float = opt(0.1, "Cosine floor, as a share of lr.")
     val_rows: int = opt(64, "Rows held out for the validation loss.")
+    embed_scale: float = opt(0.0, "If > 0: before training, tie the output embeddings to the input ones and scale "
+                                  "them by this (5: std 0.1; ``tie_and_scale``). 0 keeps the model as built "
+                                  "(untied, std 0.02), which forms no induction head within a CPU's steps.")
+    copy_steps: int = opt(0, "Steps of synthetic span copies (``copy_row``, batch 32, loss on the copy only) before "
+                             "the corpus: they form the induction head the corpus is too small to form.")
     swap_share: float = opt(0.0, "Share of training rows whose copied spans (clause values, descriptions, hit "
                                  "titles, the answer) are swapped for other rows' spans of the same kind, "
                                  "consistently within the row (``swap_spans``): a copied span can then only be "
@@ -85,6 +91,8 @@ class PretrainConfig:
     def check(self) -> None:
         if min(self.steps, self.batch, self.max_len, self.val_rows) < 1 or self.lr <= 0:
             raise ConfigError("steps, batch, max_len, val_rows and lr must be positive")
+        if self.embed_scale < 0 or self.copy_steps < 0:
+            raise ConfigError("embed_scale and copy_steps must be >= 0")
         if not 0.0 <= self.swap_share <= 1.0:
             raise ConfigError(f"swap_share must be in [0, 1], got {self.swap_share}")
 
@@ -140,6 +148,65 @@ def swap_spans(text: str, pool: dict[str, list[str]], rng: random.Random) -> str
     return re.sub(rf"(?<!\w)(?:{alt})(?!\w)", lambda m: new[m.group(0)], text)
 
 
+def copy_row(rng: random.Random, vocab: list[int], marker: list[int]) -> tuple[list[int], int]:
+    """A synthetic copy row and the index where its copied span starts: 5-30 random tokens, ``marker``, a
+    span of 3-8 random tokens, 5-30 more, ``marker``, the span again. Only an induction head (attend to what
+    followed the earlier ``marker``, then to what followed each copied token) predicts the second span."""
+    span = [rng.choice(vocab) for _ in range(rng.randint(3, 8))]
+    a, b = ([rng.choice(vocab) for _ in range(rng.randint(5, 30))] for _ in range(2))
+    head = a + marker + span + b + marker
+    return head + span, len(head)
+
+
+def copy_train(model: Any, steps: int, vocab: list[int], marker: list[int], rng: random.Random,
+               log: Callable[[str], None] = logger.info, batch: int = 32, lr: float = 1e-3) -> None:
+    """``steps`` AdamW steps on fresh ``copy_row`` batches, loss on the copied spans only."""
+    import torch
+
+    pad_id = int(model.config.text_config.pad_token_id)
+    optim = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95))
+    model.train()
+    t0 = time.perf_counter()
+    for step in range(steps):
+        rows, starts = zip(*(copy_row(rng, vocab, marker) for _ in range(batch)), strict=True)
+        loss = lm_loss(model, list(rows), pad_id, list(starts))
+        optim.zero_grad(set_to_none=True)
+        loss.backward()
+        optim.step()
+        if (step + 1) % 250 == 0 or step + 1 == steps:
+            log(f"copy step {step + 1}/{steps} | copy loss {loss.item():.3f} | {time.perf_counter() - t0:.0f} s")
+
+
+def copy_score(model: Any, vocab: list[int], marker: list[int], rng: random.Random, n: int = 100) -> dict[str, Any]:
+    """On ``n`` fresh copy rows: the mean copy loss and how many spans greedy decoding copies whole."""
+    import torch
+
+    model.eval()
+    copied, total = 0, 0.0
+    with torch.no_grad():
+        for _ in range(n):
+            row, start = copy_row(rng, vocab, marker)
+            logits = model(input_ids=torch.tensor([row]), use_cache=False).logits[0, start - 1:-1]
+            want = torch.tensor(row[start:])
+            copied += bool((logits.argmax(-1) == want).all())
+            total += float(torch.nn.functional.cross_entropy(logits, want))
+    return {"copy_loss": round(total / n, 4), "copied": copied, "of": n}
+
+
+def tie_and_scale(model: Any, scale: float) -> None:
+    """Tie ``model``'s output embeddings to its input embeddings, scaled by ``scale``, in place. One copy
+    circuit then serves every token, seen in training or not: the logit of x for a residual carrying e_x is
+    |e_x|^2; the scale makes those logits sharp enough to learn from (at std 0.02 they are not)."""
+    import torch
+
+    emb = model.get_input_embeddings()
+    with torch.no_grad():
+        emb.weight.mul_(scale)
+    model.config.tie_word_embeddings = True
+    model.config.text_config.tie_word_embeddings = True
+    model.get_output_embeddings().weight = emb.weight
+
+
 def turn_probe(model: Any, rows: list[list[int]], tokenizer: Any) -> dict[str, list[int]]:
     """Per kind of assistant turn (``image_search``, ``search1``, ``search2+``, ``answer``): [turns greedy
     decoding reproduces token for token from the true prefix, turns]. A copy is only useful whole: this
@@ -177,8 +244,9 @@ def lr_at(step: int, cfg: PretrainConfig) -> float:
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * frac)))
 
 
-def lm_loss(model: Any, rows: list[list[int]], pad_id: int) -> Any:
-    """Mean next-token cross-entropy over the real tokens of ``rows`` (right-padded)."""
+def lm_loss(model: Any, rows: list[list[int]], pad_id: int, starts: list[int] | None = None) -> Any:
+    """Mean next-token cross-entropy over the real tokens of ``rows`` (right-padded); with ``starts``, over
+    each row's tokens from its ``starts[i]`` on (a synthetic copy row's copied span)."""
     import torch
 
     width = max(map(len, rows))
@@ -188,7 +256,10 @@ def lm_loss(model: Any, rows: list[list[int]], pad_id: int) -> Any:
         ids[i, :len(r)] = torch.tensor(r)
         att[i, :len(r)] = 1
     logits = model(input_ids=ids, attention_mask=att, use_cache=False).logits[:, :-1].float()
-    target = ids[:, 1:].masked_fill(att[:, 1:] == 0, -100)
+    keep = att.clone()
+    for i, start in enumerate(starts or []):
+        keep[i, :start] = 0
+    target = ids[:, 1:].masked_fill(keep[:, 1:] == 0, -100)
     return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
 
 
@@ -245,6 +316,17 @@ def train(cfg: PretrainConfig, rows: list[list[int]], base: Path, out: Path, ext
         raise ConfigError(f"{len(rows)} corpus rows leave none to train on after {cfg.val_rows} validation rows")
     model = load_model(base, dtype="float32", device="cpu").train()
     tok = load_processor(base).tokenizer  # swaps re-tokenize rows; the turn probe reads turns
+    if cfg.embed_scale:
+        tie_and_scale(model, cfg.embed_scale)
+    copy: dict[str, Any] = {}
+    if cfg.copy_steps:
+        vocab, marker = list(range(FIRST_ORDINARY, tok.vocab_size)), tok.encode(' "query":', add_special_tokens=False)
+        copy_rng = random.Random(cfg.run.seed + 1)  # the corpus batches stay those of a run without this phase
+        copy_train(model, cfg.copy_steps, vocab, marker, copy_rng, log)
+        copy = copy_score(model, vocab, marker, copy_rng)
+        log(f"pretrain: fresh synthetic spans copied whole {copy['copied']}/{copy['of']}, "
+            f"copy loss {copy['copy_loss']:.3f}")
+        model.train()
     swap = _swapper(cfg, train_rows, tok, rng)
     pad_id = int(model.config.text_config.pad_token_id)
     optim = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
@@ -268,19 +350,18 @@ def train(cfg: PretrainConfig, rows: list[list[int]], base: Path, out: Path, ext
             bar.update(1, loss=loss.item())
             if (step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps:
                 model.eval()
-                v = val_loss(model, val, pad_id)
+                v, turns = val_loss(model, val, pad_id), turn_probe(model, val, tok)
                 model.train()
-                curve.append({"step": step + 1, "loss": loss.item(), "val": v})
-                log(f"pretrain step {step + 1}/{cfg.steps} | loss {loss.item():.4f} | val {v:.4f} | "
-                    f"{time.perf_counter() - t0:.0f} s")
+                curve.append({"step": step + 1, "loss": loss.item(), "val": v, "turns": turns})
+                log(f"pretrain step {step + 1}/{cfg.steps} | loss {loss.item():.4f} | val {v:.4f} | whole turns "
+                    + " ".join(f"{k} {a}/{n}" for k, (a, n) in turns.items()) + f" | {time.perf_counter() - t0:.0f} s")
     model.eval()
-    turns = turn_probe(model, val, tok)
-    log("pretrain: validation turns reproduced whole: " + ", ".join(f"{k} {a}/{n}" for k, (a, n) in turns.items()))
+    turns = curve[-1]["turns"]
     shutil.copytree(base, out / "model", dirs_exist_ok=True)  # tokenizer, processor, generation config
     model.save_pretrained(out / "model")
     report = {"rows": len(rows), "train_rows": len(train_rows), "val_rows": len(val),
               "tokens": sum(map(len, rows)), "steps": cfg.steps, "batch": cfg.batch, "max_len": cfg.max_len,
               "seconds": round(time.perf_counter() - t0, 1), "val_loss": curve[-1]["val"], "curve": curve,
-              "turns": turns, "model": str(out / "model"), **(extra or {})}
+              "turns": turns, "copy": copy, "model": str(out / "model"), **(extra or {})}
     (out / "report.json").write_text(json.dumps(report, indent=1))
     return report
