@@ -189,3 +189,31 @@ def test_fixed_wording_and_copy_space_give_one_demonstration_per_question(episod
             msgs += [{"role": "assistant", "content": t.text},
                      {"role": "tool", "content": t.observation, "images": t.new_images}]
     assert varied  # the default still draws: the fixed seeds above were a real test
+
+
+@pytest.mark.slow
+def test_verbatim_queries_copy_the_questions_clause_whole(episodes):
+    """verbatim: an attribute hop's query is the question's own words ("currency is X"), one contiguous span;
+    everything else the oracle writes is unchanged."""
+    from osvl.agent.teacher import OracleConfig
+
+    plain, verbatim = OracleConfig(wording="fixed", reorder_prob=0.0), OracleConfig(wording="fixed", reorder_prob=0.0,
+                                                                                   verbatim=True)
+    clauses = 0
+    for row, traj in episodes[:16]:
+        msgs = [{"role": "user", "content": row["question"], "images": ["img_1"]}]
+        for t in traj.turns:
+            a, b = (parse_turn(PathOracle(row, seed=0, cfg=c).next_turn(msgs), TOOL_NAMES) for c in (plain, verbatim))
+            if a.name == "text_search" and a.arguments != b.arguments:
+                q = b.arguments["query"]  # the clause query, or the answer query that ends with the clause
+                head, tail = q.split(" is ", 1)
+                assert q.replace(" is ", " ", 1) == a.arguments["query"]
+                assert f"{head.split()[-1]} is {tail.split()[0]}".lower() in row["question"].lower()
+                clauses += 1
+            else:
+                assert (a.name, a.arguments, a.response) == (b.name, b.arguments, b.response)
+            if t.action != "tool_call":
+                break
+            msgs += [{"role": "assistant", "content": t.text},
+                     {"role": "tool", "content": t.observation, "images": t.new_images}]
+    assert clauses  # the sample has attribute hops: the option changed something

@@ -67,6 +67,11 @@ class OracleConfig:
         False, "Write a space before every query and answer, so that a name copied from the question or a tool "
                "response is the same tokens as its source under a byte-level BPE that glues a space to the next "
                "word (GPT-2 style; the tiny model's). Searches and the answer judge ignore the space.")
+    verbatim: bool = opt(
+        False, "Search an attribute hop with its clause as the question spells it ('currency is CFP franc (XPF)') "
+               "instead of key and value joined ('currency CFP franc (XPF)'): every query piece is then one "
+               "contiguous span of the conversation, a pure copy for a small student (whose induction head "
+               "predicts ' is' after the key, docs/design.md, 'The demo policy').")
 
 
 # The whole <think> of a turn under think="brief", by action. A toy-scale simplification: the
@@ -300,6 +305,9 @@ class PathOracle:
             return find_span(hop.value, question)
         if hop.kind == "attribute":
             key, value = find_span(hop.key, question), find_span(hop.value, question)
+            clause = find_span(f"{hop.key} is {hop.value}", question) if self.cfg.verbatim else None
+            if clause:
+                return clause
             if key and value:
                 return f"{key} {value}"
             return value

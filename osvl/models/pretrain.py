@@ -19,16 +19,19 @@ passage of a held-out entity are cut before it (``corpus_rows``), so no passage 
 questions' answers are read from is in the corpus (a name can still appear in another entity's text).
 
 With ``swap_share`` a share of rows has its copied spans swapped for other rows' (``swap_spans``),
-so that a copy cannot be recalled from the corpus. Neither variant made the tiny model copy whole
-spans: its induction heads form only after a plateau far longer than this corpus (docs/design.md,
-"The demo policy", has the measurements).
+so that a copy cannot be recalled from the corpus. Neither that nor more steps made the tiny model
+as built copy whole spans: with untied embeddings at std 0.02 its induction heads form only after a
+plateau far longer than this corpus. ``embed_scale`` ties the output embeddings to the input ones
+and scales them (``tie_and_scale``), after which ``copy_steps`` of synthetic span copies
+(``copy_row``) form the head in a few minutes, before the corpus (docs/design.md, "The demo
+policy", has the measurements).
 
 Training: plain AdamW with warm-up and cosine decay in one process (the model is small enough
 that data parallelism does not pay on a CPU machine), a fixed share of rows held out for the
 validation loss. Output: ``model/``, an ordinary checkpoint directory (the base's tokenizer and
 processor files, the trained weights), and ``report.json`` (corpus size, loss curve, the final
 validation loss, the validation turns greedy decoding reproduces whole: ``turn_probe``) in the run
-folder. No resume: a killed run starts again (18-26 minutes on 2 cores).
+folder. No resume: a killed run starts again (~42 minutes on 2 cores at the demo profile).
 """
 
 from __future__ import annotations
