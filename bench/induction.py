@@ -39,7 +39,7 @@ def main() -> None:
     import torch
 
     from osvl.models.load import load_model, load_processor
-    from osvl.models.pretrain import FIRST_ORDINARY, copy_score, copy_train, tie_and_scale
+    from osvl.models.pretrain import FIRST_ORDINARY, copy_row, copy_score, copy_train, tie_and_scale
     from osvl.models.tiny import tiny_checkpoint
 
     flag = {a.split("=", 1)[0][2:]: a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--") and "=" in a}
@@ -52,6 +52,9 @@ def main() -> None:
     if vocab[-1] >= len(tok):
         raise SystemExit(f"--vocab={n_vocab} reaches past the tokenizer's {len(tok)} tokens")
     marker = tok.encode(' "query":', add_special_tokens=False)
+
+    def rows(rng: random.Random) -> tuple[list[int], int]:
+        return copy_row(rng, vocab, marker)
     out = {}
     for name in ("as_built", "tied_scaled"):
         print(f"{name}: {steps} steps, batch {batch}, {n_vocab} tokens", flush=True)
@@ -60,8 +63,8 @@ def main() -> None:
         if name == "tied_scaled":
             tie_and_scale(model, scale)
         rng, t0 = random.Random(0), time.perf_counter()
-        copy_train(model, steps, vocab, marker, rng, log=lambda m: print(m, flush=True), batch=batch)
-        out[name] = {**copy_score(model, vocab, marker, rng), "seconds": round(time.perf_counter() - t0, 1)}
+        copy_train(model, steps, rows, rng, log=lambda m: print(m, flush=True), batch=batch)
+        out[name] = {**copy_score(model, rows, rng), "seconds": round(time.perf_counter() - t0, 1)}
         print(f"{name}: {out[name]}", flush=True)
     ratio = out["as_built"]["copy_loss"] / max(out["tied_scaled"]["copy_loss"], 1e-6)
     print(json.dumps({"ratio": round(ratio, 3), "steps": steps, "vocab": n_vocab, "batch": batch, "scale": scale,

@@ -3,8 +3,8 @@
 Builds or reuses the demo's questions (the GRPO profile's ``synth`` section) and the oracle's
 trajectories of every ``sft``-split question (its ``trajectories`` section, one rollout each),
 reads them as a text corpus with everything about held-out entities cut out, and LM-trains the
-random-init tiny Qwen3-VL on it, after tying and scaling its embeddings and a synthetic copy phase
-(``osvl.models.pretrain``: why, what, how), ~42 minutes on 2 CPU cores at the demo profile. The
+random-init tiny Qwen3-VL on it, after tying and scaling its embeddings and two synthetic copy phases
+(``osvl.models.pretrain``: why, what, how), ~57 minutes on 2 CPU cores at the demo profile. The
 checkpoint it prints is an ordinary model directory to fine-tune:
 
     python jobs/pretrain_tiny.py

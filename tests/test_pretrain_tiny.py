@@ -62,7 +62,8 @@ def test_pretraining_lowers_the_loss_and_writes_a_checkpoint_sft_can_load(tmp_pa
     tok = load_processor(base).tokenizer
     rows = pretrain.corpus_rows([_trajectory(tok, [f"Place {i}"]) for i in range(6)], tok, set(), 10_000)
     cfg = pretrain.PretrainConfig(run=RunConfig(root=str(tmp_path)), steps=12, batch=2, val_rows=2, lr=3e-3,
-                                  log_every=6, swap_share=0.5, embed_scale=5.0, copy_steps=2)
+                                  log_every=6, swap_share=0.5, embed_scale=5.0, copy_steps=2,
+                                  keyed_steps=2)
     report = pretrain.train(cfg, rows, base, tmp_path, extra={"corpus": "six rows"}, log=lambda m: None)
     assert report["train_rows"] == 4 and [c["step"] for c in report["curve"]] == [0, 6, 12]
     assert report["val_loss"] < report["curve"][0]["val"] - 1  # the rows share most of their text
@@ -75,6 +76,7 @@ def test_pretraining_lowers_the_loss_and_writes_a_checkpoint_sft_can_load(tmp_pa
     assert 4 < float(emb.detach().std() / as_built.detach().std()) < 6
     saved = json.loads((tmp_path / "report.json").read_text())
     assert saved["copy"]["of"] == 100 and 0 <= saved["copy"]["copied"] <= 100  # the synthetic phase ran and scored
+    assert set(saved["keyed"]) == {"before_corpus", "after_corpus"} and saved["keyed"]["after_corpus"]["of"] == 100
     assert saved["corpus"] == "six rows" and set(saved["turns"]) == {"search1", "answer"}
     assert all(n == 2 for _, n in saved["turns"].values())  # two validation rows, one turn of each kind in each
 
@@ -148,3 +150,23 @@ def test_lm_loss_with_starts_counts_only_the_tokens_from_each_rows_start():
         every = pretrain.lm_loss(model, [a, b], pad)
     assert abs(float(got) - float(expected)) < 1e-4
     assert abs(float(every) - float(got)) > 1e-3  # without starts: every token counts
+
+
+def test_keyed_rows_end_with_one_records_value_after_its_key_and_the_shared_link():
+    """A keyed row's copy is the value that followed the same key and link earlier in the row, and the link
+    alone does not give it away: it follows every key (and sometimes filler)."""
+    import random
+
+    rng = random.Random(3)
+    vocab, link, marker = list(range(300, 4000)), [5], [7, 8]
+    for _ in range(200):
+        row, start = pretrain.keyed_row(rng, vocab, link, marker)
+        value, m = row[start:], start - 1
+        while row[m - len(marker):m] != marker:  # the key runs from after the last marker to the link
+            m -= 1
+        key = row[m:start - 1]
+        assert row[start - 1] == 5 and 1 <= len(key) <= 3 and 2 <= len(value) <= 6
+        head = row[:m - len(marker)]
+        hits = [i for i in range(len(head)) if head[i:i + len(key) + 1] == key + link]
+        assert any(head[i + len(key) + 1:i + len(key) + 1 + len(value)] == value for i in hits)
+        assert head.count(5) >= 2  # at least two records: " is" alone is ambiguous

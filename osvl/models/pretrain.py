@@ -23,15 +23,17 @@ so that a copy cannot be recalled from the corpus. Neither that nor more steps m
 as built copy whole spans: with untied embeddings at std 0.02 its induction heads form only after a
 plateau far longer than this corpus. ``embed_scale`` ties the output embeddings to the input ones
 and scales them (``tie_and_scale``), after which ``copy_steps`` of synthetic span copies
-(``copy_row``) form the head in a few minutes, before the corpus (docs/design.md, "The demo
-policy", has the measurements).
+(``copy_row``) form the head in a few minutes, before the corpus. ``keyed_steps`` of keyed copies
+(``keyed_row``) follow: the value after "key is" where " is" follows every key, so the copy must
+find the key as well, which is what a query copying the question's "currency is X" clause needs
+(docs/design.md, "The demo policy", has the measurements).
 
 Training: plain AdamW with warm-up and cosine decay in one process (the model is small enough
 that data parallelism does not pay on a CPU machine), a fixed share of rows held out for the
 validation loss. Output: ``model/``, an ordinary checkpoint directory (the base's tokenizer and
 processor files, the trained weights), and ``report.json`` (corpus size, loss curve, the final
 validation loss, the validation turns greedy decoding reproduces whole: ``turn_probe``) in the run
-folder. No resume: a killed run starts again (~42 minutes on 2 cores at the demo profile).
+folder. No resume: a killed run starts again (~57 minutes on 2 cores at the demo profile).
 """
 
 from __future__ import annotations
@@ -84,6 +86,9 @@ class PretrainConfig:
                                   "(untied, std 0.02), which forms no induction head within a CPU's steps.")
     copy_steps: int = opt(0, "Steps of synthetic span copies (``copy_row``, batch 32, loss on the copy only) before "
                              "the corpus: they form the induction head the corpus is too small to form.")
+    keyed_steps: int = opt(0, "Steps of synthetic keyed copies after those (``keyed_row``: 7 rows in 10, the rest "
+                              "``copy_row``): copying the value after \"key is\" where \" is\" follows every key, "
+                              "which the plain copy head cannot place.")
     swap_share: float = opt(0.0, "Share of training rows whose copied spans (clause values, descriptions, hit "
                                  "titles, the answer) are swapped for other rows' spans of the same kind, "
                                  "consistently within the row (``swap_spans``): a copied span can then only be "
@@ -94,8 +99,8 @@ class PretrainConfig:
     def check(self) -> None:
         if min(self.steps, self.batch, self.max_len, self.val_rows) < 1 or self.lr <= 0:
             raise ConfigError("steps, batch, max_len, val_rows and lr must be positive")
-        if self.embed_scale < 0 or self.copy_steps < 0:
-            raise ConfigError("embed_scale and copy_steps must be >= 0")
+        if min(self.embed_scale, self.copy_steps, self.keyed_steps) < 0:
+            raise ConfigError("embed_scale, copy_steps and keyed_steps must be >= 0")
         if not 0.0 <= self.swap_share <= 1.0:
             raise ConfigError(f"swap_share must be in [0, 1], got {self.swap_share}")
 
@@ -161,9 +166,34 @@ def copy_row(rng: random.Random, vocab: list[int], marker: list[int]) -> tuple[l
     return head + span, len(head)
 
 
-def copy_train(model: Any, steps: int, vocab: list[int], marker: list[int], rng: random.Random,
-               log: Callable[[str], None] = logger.info, batch: int = 32, lr: float = 1e-3) -> None:
-    """``steps`` AdamW steps on fresh ``copy_row`` batches, loss on the copied spans only."""
+def keyed_row(rng: random.Random, vocab: list[int], link: list[int], marker: list[int]) -> tuple[list[int], int]:
+    """A synthetic keyed-copy row and the index where its copied value starts: 2-5 records "key ``link``
+    value" (keys 1-3 random tokens, values 2-6) in random filler that holds ``link`` too, then ``marker``, one
+    record's key and ``link``, and its value again. The token before the value (``link``) follows every key,
+    so a one-token induction head cannot tell which value comes next: the copy needs the key as well, the way
+    an agent copies "currency is X" out of a question in which " is" occurs several times."""
+    def draw(lo: int, hi: int) -> list[int]:
+        return [rng.choice(vocab) for _ in range(rng.randint(lo, hi))]
+
+    recs = [(draw(1, 3), draw(2, 6)) for _ in range(rng.randint(2, 5))]
+    row: list[int] = []
+    for key, value in recs:
+        fill = draw(0, 12)
+        if rng.random() < 0.5:
+            fill.insert(rng.randint(0, len(fill)), link[0])
+        row += fill + key + link + value
+    row += draw(0, 12)
+    key, value = rng.choice(recs)
+    row += marker + key + link
+    return row + value, len(row)
+
+
+Rows = Callable[[random.Random], tuple[list[int], int]]  # a synthetic row maker: (row, where its copy starts)
+
+
+def copy_train(model: Any, steps: int, make_row: Rows, rng: random.Random, log: Callable[[str], None] = logger.info,
+               batch: int = 32, lr: float = 1e-3, name: str = "copy") -> None:
+    """``steps`` AdamW steps on fresh ``make_row`` batches (``copy_row``, ``keyed_row``), loss on the copies only."""
     import torch
 
     pad_id = int(model.config.text_config.pad_token_id)
@@ -171,24 +201,24 @@ def copy_train(model: Any, steps: int, vocab: list[int], marker: list[int], rng:
     model.train()
     t0 = time.perf_counter()
     for step in range(steps):
-        rows, starts = zip(*(copy_row(rng, vocab, marker) for _ in range(batch)), strict=True)
+        rows, starts = zip(*(make_row(rng) for _ in range(batch)), strict=True)
         loss = lm_loss(model, list(rows), pad_id, list(starts))
         optim.zero_grad(set_to_none=True)
         loss.backward()
         optim.step()
         if (step + 1) % 250 == 0 or step + 1 == steps:
-            log(f"copy step {step + 1}/{steps} | copy loss {loss.item():.3f} | {time.perf_counter() - t0:.0f} s")
+            log(f"{name} step {step + 1}/{steps} | {name} loss {loss.item():.3f} | {time.perf_counter() - t0:.0f} s")
 
 
-def copy_score(model: Any, vocab: list[int], marker: list[int], rng: random.Random, n: int = 100) -> dict[str, Any]:
-    """On ``n`` fresh copy rows: the mean copy loss and how many spans greedy decoding copies whole."""
+def copy_score(model: Any, make_row: Rows, rng: random.Random, n: int = 100) -> dict[str, Any]:
+    """On ``n`` fresh ``make_row`` rows: the mean copy loss and how many copies greedy decoding makes whole."""
     import torch
 
     model.eval()
     copied, total = 0, 0.0
     with torch.no_grad():
         for _ in range(n):
-            row, start = copy_row(rng, vocab, marker)
+            row, start = make_row(rng)
             logits = model(input_ids=torch.tensor([row]), use_cache=False).logits[0, start - 1:-1]
             want = torch.tensor(row[start:])
             copied += bool((logits.argmax(-1) == want).all())
@@ -321,15 +351,23 @@ def train(cfg: PretrainConfig, rows: list[list[int]], base: Path, out: Path, ext
     tok = load_processor(base).tokenizer  # swaps re-tokenize rows; the turn probe reads turns
     if cfg.embed_scale:
         tie_and_scale(model, cfg.embed_scale)
+    vocab = list(range(FIRST_ORDINARY, tok.vocab_size))
+    marker, link = (tok.encode(t, add_special_tokens=False) for t in (' "query":', " is"))
+    copies, keyed = (lambda r: copy_row(r, vocab, marker)), (lambda r: keyed_row(r, vocab, link, marker))
+    copy_rng = random.Random(cfg.run.seed + 1)  # the corpus batches stay those of a run without these phases
     copy: dict[str, Any] = {}
     if cfg.copy_steps:
-        vocab, marker = list(range(FIRST_ORDINARY, tok.vocab_size)), tok.encode(' "query":', add_special_tokens=False)
-        copy_rng = random.Random(cfg.run.seed + 1)  # the corpus batches stay those of a run without this phase
-        copy_train(model, cfg.copy_steps, vocab, marker, copy_rng, log)
-        copy = copy_score(model, vocab, marker, copy_rng)
+        copy_train(model, cfg.copy_steps, copies, copy_rng, log)
+        copy = copy_score(model, copies, copy_rng)
         log(f"pretrain: fresh synthetic spans copied whole {copy['copied']}/{copy['of']}, "
             f"copy loss {copy['copy_loss']:.3f}")
-        model.train()
+    keyed_scores: dict[str, Any] = {}
+    if cfg.keyed_steps:
+        copy_train(model, cfg.keyed_steps, lambda r: keyed(r) if r.random() < 0.7 else copies(r), copy_rng, log,
+                   name="keyed")
+        keyed_scores["before_corpus"] = copy_score(model, keyed, copy_rng)
+        log(f"pretrain: fresh keyed values copied whole {keyed_scores['before_corpus']['copied']}/100")
+    model.train()
     swap = _swapper(cfg, train_rows, tok, rng)
     pad_id = int(model.config.text_config.pad_token_id)
     optim = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
@@ -360,11 +398,13 @@ def train(cfg: PretrainConfig, rows: list[list[int]], base: Path, out: Path, ext
                     + " ".join(f"{k} {a}/{n}" for k, (a, n) in turns.items()) + f" | {time.perf_counter() - t0:.0f} s")
     model.eval()
     turns = curve[-1]["turns"]
+    if cfg.keyed_steps:  # what the corpus left of the keyed skill
+        keyed_scores["after_corpus"] = copy_score(model, keyed, copy_rng)
     shutil.copytree(base, out / "model", dirs_exist_ok=True)  # tokenizer, processor, generation config
     model.save_pretrained(out / "model")
     report = {"rows": len(rows), "train_rows": len(train_rows), "val_rows": len(val),
               "tokens": sum(map(len, rows)), "steps": cfg.steps, "batch": cfg.batch, "max_len": cfg.max_len,
               "seconds": round(time.perf_counter() - t0, 1), "val_loss": curve[-1]["val"], "curve": curve,
-              "turns": turns, "copy": copy, "model": str(out / "model"), **(extra or {})}
+              "turns": turns, "copy": copy, "keyed": keyed_scores, "model": str(out / "model"), **(extra or {})}
     (out / "report.json").write_text(json.dumps(report, indent=1))
     return report
