@@ -180,7 +180,8 @@ def keyed_row(rng: random.Random, vocab: list[int], link: list[int], marker: lis
     for key, value in recs:
         fill = draw(0, 12)
         if rng.random() < 0.5:
-            fill.insert(rng.randint(0, len(fill)), link[0])
+            at = rng.randint(0, len(fill))
+            fill[at:at] = link
         row += fill + key + link + value
     row += draw(0, 12)
     key, value = rng.choice(recs)
@@ -366,7 +367,7 @@ def train(cfg: PretrainConfig, rows: list[list[int]], base: Path, out: Path, ext
         copy_train(model, cfg.keyed_steps, lambda r: keyed(r) if r.random() < 0.7 else copies(r), copy_rng, log,
                    name="keyed")
         keyed_scores["before_corpus"] = copy_score(model, keyed, copy_rng)
-        log(f"pretrain: fresh keyed values copied whole {keyed_scores['before_corpus']['copied']}/100")
+        log("pretrain: fresh keyed values copied whole {copied}/{of}".format(**keyed_scores["before_corpus"]))
     model.train()
     swap = _swapper(cfg, train_rows, tok, rng)
     pad_id = int(model.config.text_config.pad_token_id)
