@@ -44,21 +44,16 @@ def test_read_conversation_pairs_calls_and_answers():
     assert len(steps) == 1 and steps[0].name == "sharpen" and steps[0].ok and steps[0].new_images == ["img_2"]
 
 
-@pytest.fixture(scope="module")
-def episodes(tmp_path_factory):
-    """Every sample question answered twice (two seeds) by the oracle through the real loop and tools."""
+def run_oracle(qdir, rows, seeds, oracle_cfg=None):
+    """(row, trajectory) of the oracle (``oracle_cfg``; None = defaults) on ``rows`` x ``seeds`` through the
+    real agent loop and the real in-process tools."""
     from osvl.agent.loop import AgentConfig, run_episode
-    from osvl.agent.trajectory import load_image  # noqa: F401 - the record's images are checked below
     from osvl.models.load import load_processor
     from osvl.models.tiny import tiny_checkpoint
-    from osvl.tools import text_search
     from osvl.tools.client import make_client
     from osvl.tools.registry import all_tools
 
-    qdir = sample_questions(str(tmp_path_factory.mktemp("questions")))
-    rows = pq.read_table(qdir / "sft.parquet").to_pylist()
     processor = load_processor(tiny_checkpoint("qwen3_vl"))
-    text_search.configure(text_search.TextSearchConfig(dense_rerank=False))
     tools = [t.schema for t in all_tools().values()]
     cfg = AgentConfig(max_turns=16, max_new_tokens=512, max_episode_tokens=8192)
 
@@ -72,15 +67,30 @@ def episodes(tmp_path_factory):
             with Image.open(qdir / "images" / row["images"][0]) as im:
                 image = np.asarray(im.convert("RGB"))
             async with sem:
-                return row, await run_episode(PathOracle(row, seed=seed), row, [image], client, cfg,
+                return row, await run_episode(PathOracle(row, seed=seed, cfg=oracle_cfg), row, [image], client, cfg,
                                               processor=processor, tools=tools, seed=seed)
 
-        out = await asyncio.gather(*(one(r, s) for r in rows for s in (0, 1)))
+        out = await asyncio.gather(*(one(r, s) for r in rows for s in seeds))
         await client.close()
         return out
 
-    yield asyncio.run(run_all())
+    return asyncio.run(run_all())
+
+
+@pytest.fixture(scope="module")
+def questions(tmp_path_factory):
+    """The sample's synthesized questions (folder), searched without the dense re-ranker."""
+    from osvl.tools import text_search
+
+    text_search.configure(text_search.TextSearchConfig(dense_rerank=False))
+    yield sample_questions(str(tmp_path_factory.mktemp("questions")))
     text_search.configure(text_search.TextSearchConfig())
+
+
+@pytest.fixture(scope="module")
+def episodes(questions):
+    """Every sample question answered twice (two seeds) by the oracle through the real loop and tools."""
+    return run_oracle(questions, pq.read_table(questions / "sft.parquet").to_pylist(), (0, 1))
 
 
 @pytest.mark.slow
@@ -217,3 +227,54 @@ def test_verbatim_queries_copy_the_questions_clause_whole(episodes):
             msgs += [{"role": "assistant", "content": t.text},
                      {"role": "tool", "content": t.observation, "images": t.new_images}]
     assert clauses  # the sample has attribute hops: the option changed something
+
+
+@pytest.mark.slow
+def test_in_order_searches_each_hop_once_in_path_order(questions):
+    """in_order: the text searches resolve hop 1, 2, ... in path order, each by a search made after the previous
+    hop was resolved, even where a response named a later hop first (which the default oracle then skips)."""
+    from osvl.agent.teacher import OracleConfig
+
+    rows = pq.read_table(questions / "sft.parquet").to_pylist()[:16]
+    skipped = 0
+    for row, traj in run_oracle(questions, rows, (0,), OracleConfig(wording="fixed", reorder_prob=0.0, in_order=True)):
+        if traj.final_answer == GIVE_UP:
+            continue
+        hops = [p["title"] for p in row["path"][1:]]
+        at = 0  # the hop the next search is for
+        for t in traj.turns:
+            if t.tool == "text_search" and at < len(hops):
+                later = [h for h in hops[at + 1:] if find_span(h, t.observation)]
+                if find_span(hops[at], t.observation):
+                    at += 1
+                skipped += bool(later)  # a snippet named a later hop: the search for it still comes
+        assert at == len(hops), (row["id"], hops, [t.arguments for t in traj.turns])
+    assert skipped  # a response named a later hop (the default oracle marks it found) and it was still searched
+
+
+@pytest.mark.slow
+def test_look_up_answers_right_after_a_search_copied_from_the_question(questions):
+    """look_up (with verbatim): after the last hop the oracle always searches "<answer key> <last hop's
+    descriptor>", both as the question spells them, and answers after it, even where an earlier response
+    already showed the answer."""
+    from osvl.agent.teacher import OracleConfig
+
+    rows = pq.read_table(questions / "sft.parquet").to_pylist()[:16]
+    cfg = OracleConfig(wording="fixed", reorder_prob=0.0, in_order=True, look_up=True, verbatim=True)
+    answered = early = 0
+    for row, traj in run_oracle(questions, rows, (0,), cfg):
+        if traj.final_answer == GIVE_UP:
+            continue
+        key = find_span(row["answer_key"], row["question"])
+        if key is None:  # no key to look up with: the oracle names the entity instead
+            continue
+        answered += 1
+        *calls, answer = traj.turns
+        assert answer.action == "response"
+        looks = [i for i, t in enumerate(calls) if t.tool == "text_search"
+                 and t.arguments["query"].strip().lower().startswith(key.lower() + " ")]
+        assert looks, (key, [t.arguments for t in calls])
+        query = calls[looks[0]].arguments["query"].strip()
+        assert query[len(key) + 1:] in row["question"], (query, row["question"])
+        early += any(find_span(traj.final_answer.strip(), t.observation) for t in calls[:looks[0]])
+    assert answered >= 8 and early  # some answers were on view before the look-up: the option changed those

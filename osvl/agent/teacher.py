@@ -67,6 +67,14 @@ class OracleConfig:
         False, "Write a space before every query and answer, so that a name copied from the question or a tool "
                "response is the same tokens as its source under a byte-level BPE that glues a space to the next "
                "word (GPT-2 style; the tiny model's). Searches and the answer judge ignore the space.")
+    in_order: bool = opt(
+        False, "Search every hop in path order, one search each, even when an earlier response already names "
+               "its entity: which clause the next query copies is then a function of the question alone, not of "
+               "what a snippet happened to mention (a small student cannot learn the latter).")
+    look_up: bool = opt(
+        False, "After the last hop, always search for the answer (the key and the last hop's descriptor as the "
+               "question spells them), even when a response already shows it: every episode then answers right "
+               "after that search, so when to answer follows from the turns, not from reading the responses.")
     verbatim: bool = opt(
         False, "Search an attribute hop with its clause as the question spells it ('currency is CFP franc (XPF)') "
                "instead of key and value joined ('currency CFP franc (XPF)'): every query piece is then one "
@@ -241,10 +249,19 @@ class PathOracle:
 
         # 3. walk the path: each hop is done once its entity shows up in a tool response
         found = {0: visual_span}
-        for hop in self.hops:
-            span = find_span(hop.title, seen)
-            if span is not None:
-                found[hop.index] = span
+        if self.cfg.in_order:  # one hop per search, in path order: a search resolves only the hop it was for
+            nxt = iter(self.hops)
+            hop = next(nxt, None)
+            for s in steps:
+                span = find_span(hop.title, s.text) if hop and s.ok and s.name == "text_search" else None
+                if span is not None:
+                    found[hop.index] = span
+                    hop = next(nxt, None)
+        else:
+            for hop in self.hops:
+                span = find_span(hop.title, seen)
+                if span is not None:
+                    found[hop.index] = span
         open_hops = [h for h in self.hops if h.index not in found]
         if open_hops:
             hop = self._choose_hop(open_hops, found, rng)
@@ -261,17 +278,17 @@ class PathOracle:
         # 4. the answer: an attribute of the last entity, read off a response
         last = found[self.hops[-1].index]
         answer = self._answer_span(responses, found)
-        if answer is not None:
+        queries = self._answer_queries(question, last, rng) if answer is None or self.cfg.look_up else []
+        asked = {_tidy(s.arguments.get("query", "")).lower() for s in steps if s.name == "text_search"}
+        fresh = [q for q in queries if q.lower() not in asked]
+        tried = sum(1 for q in queries if q.lower() in asked)
+        if answer is not None and (tried or not self.cfg.look_up):
             think = self._pick(rng, [
                 f"The results give the {self._key(question)} of {last}: {answer}.",
                 f"{last} is the entity the question describes, and its {self._key(question)} is {answer}.",
                 f"So the chain ends at {last}; the {self._key(question)} listed there is {answer}.",
             ])
             return assistant_text(self._thought("response", think), response=self._spaced(answer))
-        queries = self._answer_queries(question, last, rng)
-        asked = {_tidy(s.arguments.get("query", "")).lower() for s in steps if s.name == "text_search"}
-        fresh = [q for q in queries if q.lower() not in asked]
-        tried = sum(1 for q in queries if q.lower() in asked)
         if not fresh or tried >= self.cfg.attempts_per_hop:
             return self._give_up(rng, f"no result listed the {self._key(question)} of {last}")
         think = self._pick(rng, [
@@ -370,13 +387,18 @@ class PathOracle:
     def _answer_queries(self, question: str, last: str, rng: np.random.Generator) -> list[str]:
         """The answer is in the last entity's infobox passage: name the entity, the key, and (best) the
         last hop's own attribute, which sits in that same passage (it shows more answers:
-        docs/measurements.md)."""
+        docs/measurements.md). Under ``look_up`` the first query is the key and the last hop's descriptor
+        as the question spells them: two copies of the question, no name from a response."""
         key = find_span(self.answer_key, question)
         if not key:
             return [last]
         hop = self.hops[-1]
+        out: list[str] = []
+        if self.cfg.look_up and (desc := self._descriptor(hop, question)):
+            out.append(f"{key} {desc}")
         desc = self._descriptor(hop, question) if hop.kind == "attribute" else None
-        out = [f"{last} {key} {desc}"] if desc else []
+        if desc:
+            out.append(f"{last} {key} {desc}")
         out.append(self._pick(rng, [f"{last} {key}", f"{key} of {last}"]))
         out.append(f"{key} {last}" if out[-1].startswith(last) else f"{last} {key}")
         return out
