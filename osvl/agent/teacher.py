@@ -212,7 +212,6 @@ class PathOracle:
         question, user_images, steps = read_conversation(messages)
         rng = self._rng(len(steps))
         responses = [s.text for s in steps if s.ok]
-        seen = "\n".join(responses)
         img = user_images[0] if user_images else "img_1"
 
         # 1. restore a degraded image before anything else looks at it
@@ -258,6 +257,7 @@ class PathOracle:
                     found[hop.index] = span
                     hop = next(nxt, None)
         else:
+            seen = "\n".join(responses)
             for hop in self.hops:
                 span = find_span(hop.title, seen)
                 if span is not None:
@@ -393,11 +393,9 @@ class PathOracle:
         if not key:
             return [last]
         hop = self.hops[-1]
-        out: list[str] = []
-        if self.cfg.look_up and (desc := self._descriptor(hop, question)):
-            out.append(f"{key} {desc}")
-        desc = self._descriptor(hop, question) if hop.kind == "attribute" else None
-        if desc:
+        desc = self._descriptor(hop, question)
+        out: list[str] = [f"{key} {desc}"] if self.cfg.look_up and desc else []
+        if desc and hop.kind == "attribute":
             out.append(f"{last} {key} {desc}")
         out.append(self._pick(rng, [f"{last} {key}", f"{key} of {last}"]))
         out.append(f"{key} {last}" if out[-1].startswith(last) else f"{last} {key}")
