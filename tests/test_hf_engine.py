@@ -8,6 +8,7 @@ decoding: the episodes below are whatever it samples, with the real tools in-pro
 from __future__ import annotations
 
 import asyncio
+import shutil
 
 import numpy as np
 import pytest
@@ -230,6 +231,27 @@ def test_greedy_is_deterministic_and_weight_updates_change_it():
     assert eng.version == 7 and after.version == 7 and after.token_ids != first.token_ids
     with pytest.raises(ConfigError):
         eng.update_weights({"no.such.weight": torch.zeros(1)}, version=8)
+    eng.close()
+
+
+def test_a_tied_model_takes_the_state_dict_a_learner_sends(tmp_path):
+    """A tied model's state dict names lm_head.weight, which its default parameter list leaves out: the update
+    must take it (the rollout of a policy fine-tuned from jobs/pretrain_tiny.py waited forever on this)."""
+    from osvl.models.load import load_model
+    from osvl.models.pretrain import tie_and_scale
+
+    base = tiny_checkpoint("qwen3_vl")
+    model = load_model(base, dtype="float32", device="cpu")
+    tie_and_scale(model, 5.0)
+    shutil.copytree(base, tmp_path / "tied", dirs_exist_ok=True)
+    model.save_pretrained(tmp_path / "tied")
+    eng = make_engine("hf", str(tmp_path / "tied"), max_batch=2)
+    sd = eng.model.state_dict()
+    assert "lm_head.weight" in sd and "lm_head.weight" not in dict(eng.model.named_parameters())
+    sd = {k: v + 1.0 for k, v in sd.items() if "embed_tokens" in k or "lm_head" in k}
+    eng.update_weights(sd, version=3)
+    assert eng.version == 3
+    assert torch.equal(eng.model.get_output_embeddings().weight, sd["lm_head.weight"])
     eng.close()
 
 

@@ -255,11 +255,18 @@ class RolloutWorker:
     async def run(self) -> dict[str, Any]:
         """Work until the buffer has issued every slot of the run; returns this actor's counters."""
         self._version_event = asyncio.Event()
-        background = [asyncio.create_task(self._sync_weights())]
+        sync = asyncio.create_task(self._sync_weights())
+        background = [sync]
         if self.rec is not None:
             background.append(asyncio.create_task(self._export_metrics()))
         try:
-            await asyncio.gather(*(self._group_worker() for _ in range(self.cfg.groups_in_flight)))
+            workers = asyncio.gather(*(self._group_worker() for _ in range(self.cfg.groups_in_flight)))
+            await asyncio.wait({workers, sync}, return_when=asyncio.FIRST_COMPLETED)
+            if not workers.done():  # the weight sync only ends by failing; the groups would wait for it forever
+                workers.cancel()
+                err = sync.exception()
+                raise RuntimeError(f"rollout actor {self.id}: weight sync failed: {err!r}") from err
+            await workers
         finally:
             for task in background:
                 task.cancel()

@@ -155,8 +155,7 @@ class HFEngine:
         """Copy ``state_dict`` into the model in place (a subset is fine; unknown names are an error). Blocks
         until the engine thread has applied it between turns; the prefix cache (K/V of the old weights) is
         emptied."""
-        params = dict(self.model.named_parameters())
-        params.update(dict(self.model.named_buffers()))
+        params = self._targets()
         unknown = sorted(k for k in state_dict if k not in params)
         if unknown:
             raise ConfigError(f"update_weights: names not in the model: {unknown[:5]}")
@@ -245,9 +244,16 @@ class HFEngine:
                                 resolve_future(row.future, None, e)
                         batch = None
 
-    def _apply(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
-        params = dict(self.model.named_parameters())
+    def _targets(self) -> dict[str, torch.Tensor]:
+        """Every name a state dict of this model can hold, tied aliases included: a model with tied
+        embeddings lists lm_head.weight in its state dict (what a learner sends) but not, by default, among
+        its parameters."""
+        params = dict(self.model.named_parameters(remove_duplicate=False))
         params.update(dict(self.model.named_buffers()))
+        return params
+
+    def _apply(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
+        params = self._targets()
         for k, v in state_dict.items():
             params[k].copy_(v.to(params[k].device, params[k].dtype))
         if self.store is not None:
