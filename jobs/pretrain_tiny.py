@@ -2,9 +2,10 @@
 
 Builds or reuses the demo's questions (the GRPO profile's ``synth`` section) and the oracle's
 trajectories of every ``sft``-split question (its ``trajectories`` section, one rollout each),
-reads them as a text corpus with everything about held-out entities cut out, and LM-trains the
+reads them as a text corpus with everything about held-out entities cut out (the oracle's
+trajectories of held-out questions are read only by the progress lines' turn probe), and LM-trains the
 random-init tiny Qwen3-VL on it, after tying and scaling its embeddings and two synthetic copy phases
-(``osvl.models.pretrain``: why, what, how), ~57 minutes on 2 CPU cores at the demo profile. The
+(``osvl.models.pretrain``: why, what, how), ~100 minutes on 2 CPU cores at the demo profile. The
 checkpoint it prints is an ordinary model directory to fine-tune:
 
     python jobs/pretrain_tiny.py
@@ -39,19 +40,30 @@ def main(argv: list[str] | None = None) -> dict:
     scfg = upstream_config(pipeline.SynthConfig, pipeline.JOB, cfg.run, grpo.synth)
     qdir, _ = pipeline.run(scfg)
     base_kind = "qwen3_vl"  # its tokenizer renders the records, and the pretrained model keeps it
-    tcfg = upstream_config(expert.TrajConfig, expert.JOB, cfg.run, {
-        "questions": str(qdir), "offer": list(grpo.rollout.offer), **grpo.trajectories,
-        "split": "sft", "max_questions": 0, "n_teacher_rollouts": 1, "tiny_kind": base_kind})
-    tdir, _ = expert.run(tcfg)
+
+    def trajectories(split: str, n: int) -> Path:
+        tcfg = upstream_config(expert.TrajConfig, expert.JOB, cfg.run, {
+            "questions": str(qdir), "offer": list(grpo.rollout.offer), **grpo.trajectories,
+            "split": split, "max_questions": n, "n_teacher_rollouts": 1, "tiny_kind": base_kind})
+        return expert.run(tcfg)[0] / "trajectories.parquet"
+
     base = tiny_checkpoint(base_kind)
+    tok = load_processor(base).tokenizer
     held = pipeline.split_titles(scfg, "heldout")
-    rows = corpus_rows(read_trajectories(tdir / "trajectories.parquet"), load_processor(base).tokenizer, held,
-                       cfg.max_len)
+    tpath = trajectories("sft", 0)
+    rows = corpus_rows(read_trajectories(tpath), tok, held, cfg.max_len)
+    probe = []
+    if cfg.probe_questions:  # whole held-out trajectories, to read, never to train on
+        probe = corpus_rows(read_trajectories(trajectories("heldout", cfg.probe_questions)), tok, set(), 1 << 16)
     out = run_dir(cfg, JOB)
-    report = train(cfg, rows, base, out, extra={"trajectories": str(tdir), "heldout_entities": len(held)})
+    report = train(cfg, rows, base, out, extra={"trajectories": str(tpath.parent), "heldout_entities": len(held)},
+                   probe=probe)
     print(f"pretrain_tiny: {report['rows']} rows ({report['tokens']:,} tokens; {len(held)} held-out entities cut "
           f"out), {cfg.steps} steps in {report['seconds'] / 60:.1f} min, validation loss {report['val_loss']:.4f} "
           f"-> {report['model']}", flush=True)
+    if report["heldout_turns"]:
+        print("pretrain_tiny: held-out turns greedy decoding reproduces whole: " + ", ".join(
+            f"{k} {a}/{n}" for k, (a, n) in report["heldout_turns"].items()), flush=True)
     return report
 
 

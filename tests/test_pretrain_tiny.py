@@ -63,9 +63,12 @@ def test_pretraining_lowers_the_loss_and_writes_a_checkpoint_sft_can_load(tmp_pa
     rows = pretrain.corpus_rows([_trajectory(tok, [f"Place {i}"]) for i in range(6)], tok, set(), 10_000)
     cfg = pretrain.PretrainConfig(run=RunConfig(root=str(tmp_path)), steps=12, batch=2, val_rows=2, lr=3e-3,
                                   log_every=6, swap_share=0.5, embed_scale=5.0, copy_steps=2,
-                                  keyed_steps=2)
-    report = pretrain.train(cfg, rows, base, tmp_path, extra={"corpus": "six rows"}, log=lambda m: None)
+                                  keyed_steps=2, keyed_links=[" is", ":"], keyed_mix=2)
+    probe = pretrain.corpus_rows([_trajectory(tok, ["Held Out"])], tok, set(), 10_000)
+    report = pretrain.train(cfg, rows, base, tmp_path, extra={"corpus": "six rows"}, log=lambda m: None, probe=probe)
     assert report["train_rows"] == 4 and [c["step"] for c in report["curve"]] == [0, 6, 12]
+    assert all(set(c["heldout_turns"]) == {"search1", "answer"} for c in report["curve"][1:])  # read at every line
+    assert report["heldout_turns"]["search1"][1] == 1 and report["heldout_turns"]["answer"][1] == 1
     assert report["val_loss"] < report["curve"][0]["val"] - 1  # the rows share most of their text
     model = load_model(tmp_path / "model", dtype="float32", device="cpu").eval()  # an ordinary checkpoint
     assert pretrain.val_loss(model, rows, int(model.config.text_config.pad_token_id)) < report["curve"][0]["val"] - 1

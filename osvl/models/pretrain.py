@@ -26,14 +26,17 @@ and scales them (``tie_and_scale``), after which ``copy_steps`` of synthetic spa
 (``copy_row``) form the head in a few minutes, before the corpus. ``keyed_steps`` of keyed copies
 (``keyed_row``) follow: the value after "key is" where " is" follows every key, so the copy must
 find the key as well, which is what a query copying the question's "currency is X" clause needs
-(docs/design.md, "The demo policy", has the measurements).
+(docs/design.md, "The demo policy", has the measurements); ``keyed_links`` adds ":" as in the
+passages' "Key: value." lines an answer is read from, and ``keyed_mix`` keeps such rows in every
+corpus batch, since the corpus alone erases the skill.
 
 Training: plain AdamW with warm-up and cosine decay in one process (the model is small enough
 that data parallelism does not pay on a CPU machine), a fixed share of rows held out for the
 validation loss. Output: ``model/``, an ordinary checkpoint directory (the base's tokenizer and
 processor files, the trained weights), and ``report.json`` (corpus size, loss curve, the final
-validation loss, the validation turns greedy decoding reproduces whole: ``turn_probe``) in the run
-folder. No resume: a killed run starts again (~57 minutes on 2 cores at the demo profile).
+validation loss, the validation turns greedy decoding reproduces whole: ``turn_probe``, and the same
+on oracle trajectories of held-out questions, the figure that predicts Pass@1) in the run folder.
+No resume: a killed run starts again (~100 minutes on 2 cores at the demo profile).
 """
 
 from __future__ import annotations
@@ -89,18 +92,28 @@ class PretrainConfig:
     keyed_steps: int = opt(0, "Steps of synthetic keyed copies after those (``keyed_row``: 7 rows in 10, the rest "
                               "``copy_row``): copying the value after \"key is\" where \" is\" follows every key, "
                               "which the plain copy head cannot place.")
+    keyed_links: list[str] = opt([" is"], "Link strings a keyed row puts between key and value, one drawn per row: "
+                                          "\" is\" as in the question's clauses, \":\" as in a passage's "
+                                          "\"Key: value.\" lines, where an answer is read.")
+    keyed_mix: int = opt(0, "Synthetic rows (keyed and copy, as in the keyed phase) added to every corpus batch, "
+                            "their copy loss added to the corpus loss: without them the corpus erases the keyed "
+                            "skill (90/100 fresh values whole before it, 6/100 after; with 8 rows: 93 and 98/100).")
     swap_share: float = opt(0.0, "Share of training rows whose copied spans (clause values, descriptions, hit "
                                  "titles, the answer) are swapped for other rows' spans of the same kind, "
                                  "consistently within the row (``swap_spans``): a copied span can then only be "
                                  "predicted by copying, not recalled.")
+    probe_questions: int = opt(100, "Held-out questions whose oracle trajectories ``turn_probe`` reads at every "
+                                    "progress line (0: none). Never trained on.", hashed=False)
     log_every: int = opt(50, "Progress line (with the validation loss) every N steps.", hashed=False)
     threads: int = opt(2, "torch CPU threads.", hashed=False)
 
     def check(self) -> None:
         if min(self.steps, self.batch, self.max_len, self.val_rows) < 1 or self.lr <= 0:
             raise ConfigError("steps, batch, max_len, val_rows and lr must be positive")
-        if min(self.embed_scale, self.copy_steps, self.keyed_steps) < 0:
-            raise ConfigError("embed_scale, copy_steps and keyed_steps must be >= 0")
+        if min(self.embed_scale, self.copy_steps, self.keyed_steps, self.keyed_mix, self.probe_questions) < 0:
+            raise ConfigError("embed_scale, copy_steps, keyed_steps, keyed_mix and probe_questions must be >= 0")
+        if not self.keyed_links or not all(self.keyed_links):
+            raise ConfigError(f"keyed_links must be non-empty strings, got {self.keyed_links}")
         if not 0.0 <= self.swap_share <= 1.0:
             raise ConfigError(f"swap_share must be in [0, 1], got {self.swap_share}")
 
@@ -331,9 +344,11 @@ def _swapper(cfg: PretrainConfig, rows: list[list[int]], tok: Any,
 
 
 def train(cfg: PretrainConfig, rows: list[list[int]], base: Path, out: Path, extra: dict[str, Any] | None = None,
-          log: Callable[[str], None] = logger.info) -> dict[str, Any]:
+          log: Callable[[str], None] = logger.info, probe: list[list[int]] | None = None) -> dict[str, Any]:
     """Pretrain ``base``'s weights on ``rows``; writes the checkpoint ``out/model`` and ``out/report.json``
-    (with ``extra``'s keys added); returns the report."""
+    (with ``extra``'s keys added); returns the report. ``probe``: rows never trained on (oracle trajectories
+    of held-out questions) that ``turn_probe`` reads at every progress line as well as the validation rows:
+    validation rows are about entities the training rows show, so they overstate held-out skill."""
     import torch
 
     from osvl.logs import Progress
@@ -353,8 +368,18 @@ def train(cfg: PretrainConfig, rows: list[list[int]], base: Path, out: Path, ext
     if cfg.embed_scale:
         tie_and_scale(model, cfg.embed_scale)
     vocab = list(range(FIRST_ORDINARY, tok.vocab_size))
-    marker, link = (tok.encode(t, add_special_tokens=False) for t in (' "query":', " is"))
-    copies, keyed = (lambda r: copy_row(r, vocab, marker)), (lambda r: keyed_row(r, vocab, link, marker))
+    marker = tok.encode(' "query":', add_special_tokens=False)
+    links = [tok.encode(t, add_special_tokens=False) for t in cfg.keyed_links]
+
+    def copies(r: random.Random) -> tuple[list[int], int]:
+        return copy_row(r, vocab, marker)
+
+    def keyed(r: random.Random) -> tuple[list[int], int]:
+        # one link draws nothing: the rows stay those of runs before keyed_links
+        return keyed_row(r, vocab, links[r.randrange(len(links))] if len(links) > 1 else links[0], marker)
+
+    def mixed(r: random.Random) -> tuple[list[int], int]:
+        return keyed(r) if r.random() < 0.7 else copies(r)
     copy_rng = random.Random(cfg.run.seed + 1)  # the corpus batches stay those of a run without these phases
     copy: dict[str, Any] = {}
     if cfg.copy_steps:
@@ -364,8 +389,7 @@ def train(cfg: PretrainConfig, rows: list[list[int]], base: Path, out: Path, ext
             f"copy loss {copy['copy_loss']:.3f}")
     keyed_scores: dict[str, Any] = {}
     if cfg.keyed_steps:
-        copy_train(model, cfg.keyed_steps, lambda r: keyed(r) if r.random() < 0.7 else copies(r), copy_rng, log,
-                   name="keyed")
+        copy_train(model, cfg.keyed_steps, mixed, copy_rng, log, name="keyed")
         keyed_scores["before_corpus"] = copy_score(model, keyed, copy_rng)
         log("pretrain: fresh keyed values copied whole {copied}/{of}".format(**keyed_scores["before_corpus"]))
     model.train()
@@ -385,18 +409,27 @@ def train(cfg: PretrainConfig, rows: list[list[int]], base: Path, out: Path, ext
             for group in optim.param_groups:
                 group["lr"] = lr_at(step, cfg)
             loss = lm_loss(model, batch, pad_id)
+            total = loss
+            if cfg.keyed_mix:
+                synth, starts = zip(*(mixed(copy_rng) for _ in range(cfg.keyed_mix)), strict=True)
+                total = loss + lm_loss(model, list(synth), pad_id, list(starts))
             optim.zero_grad(set_to_none=True)
-            loss.backward()
+            total.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             optim.step()
             bar.update(1, loss=loss.item())
             if (step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps:
                 model.eval()
-                v, turns = val_loss(model, val, pad_id), turn_probe(model, val, tok)
+                point = {"step": step + 1, "loss": loss.item(), "val": val_loss(model, val, pad_id),
+                         "turns": turn_probe(model, val, tok)}
+                if probe:
+                    point["heldout_turns"] = turn_probe(model, probe, tok)
                 model.train()
-                curve.append({"step": step + 1, "loss": loss.item(), "val": v, "turns": turns})
-                log(f"pretrain step {step + 1}/{cfg.steps} | loss {loss.item():.4f} | val {v:.4f} | whole turns "
-                    + " ".join(f"{k} {a}/{n}" for k, (a, n) in turns.items()) + f" | {time.perf_counter() - t0:.0f} s")
+                curve.append(point)
+                log(f"pretrain step {step + 1}/{cfg.steps} | loss {loss.item():.4f} | val {point['val']:.4f} | "
+                    + " | ".join(f"{name} " + " ".join(f"{k} {a}/{n}" for k, (a, n) in point[key].items())
+                                 for name, key in (("whole turns", "turns"), ("held-out", "heldout_turns"))
+                                 if key in point) + f" | {time.perf_counter() - t0:.0f} s")
     model.eval()
     turns = curve[-1]["turns"]
     if cfg.keyed_steps:  # what the corpus left of the keyed skill
@@ -406,6 +439,7 @@ def train(cfg: PretrainConfig, rows: list[list[int]], base: Path, out: Path, ext
     report = {"rows": len(rows), "train_rows": len(train_rows), "val_rows": len(val),
               "tokens": sum(map(len, rows)), "steps": cfg.steps, "batch": cfg.batch, "max_len": cfg.max_len,
               "seconds": round(time.perf_counter() - t0, 1), "val_loss": curve[-1]["val"], "curve": curve,
-              "turns": turns, "copy": copy, "keyed": keyed_scores, "model": str(out / "model"), **(extra or {})}
+              "turns": turns, "heldout_turns": curve[-1].get("heldout_turns", {}), "copy": copy,
+              "keyed": keyed_scores, "model": str(out / "model"), **(extra or {})}
     (out / "report.json").write_text(json.dumps(report, indent=1))
     return report
