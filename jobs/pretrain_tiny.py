@@ -22,7 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 from osvl.logs import start_job  # noqa: E402
-from osvl.models.pretrain import JOB, PretrainConfig, corpus_rows, train  # noqa: E402
+from osvl.models.pretrain import JOB, PretrainConfig, corpus_rows, train, turns_text  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -62,8 +62,8 @@ def main(argv: list[str] | None = None) -> dict:
           f"out), {cfg.steps} steps in {report['seconds'] / 60:.1f} min, validation loss {report['val_loss']:.4f} "
           f"-> {report['model']}", flush=True)
     if report["heldout_turns"]:
-        print("pretrain_tiny: held-out turns greedy decoding reproduces whole: " + ", ".join(
-            f"{k} {a}/{n}" for k, (a, n) in report["heldout_turns"].items()), flush=True)
+        print(f"pretrain_tiny: held-out turns greedy decoding reproduces whole: {turns_text(report['heldout_turns'])}",
+              flush=True)
     return report
 
 

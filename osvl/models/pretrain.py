@@ -283,6 +283,11 @@ def turn_probe(model: Any, rows: list[list[int]], tokenizer: Any) -> dict[str, l
     return out
 
 
+def turns_text(turns: dict[str, list[int]]) -> str:
+    """``turn_probe``'s tally as one log phrase: "image_search 96/96 search1 28/96 ..."."""
+    return " ".join(f"{k} {a}/{n}" for k, (a, n) in turns.items())
+
+
 def lr_at(step: int, cfg: PretrainConfig) -> float:
     warm = max(1, int(cfg.warmup * cfg.steps))
     if step < warm:
@@ -426,10 +431,9 @@ def train(cfg: PretrainConfig, rows: list[list[int]], base: Path, out: Path, ext
                     point["heldout_turns"] = turn_probe(model, probe, tok)
                 model.train()
                 curve.append(point)
+                held_out = f" | held-out {turns_text(point['heldout_turns'])}" if probe else ""
                 log(f"pretrain step {step + 1}/{cfg.steps} | loss {loss.item():.4f} | val {point['val']:.4f} | "
-                    + " | ".join(f"{name} " + " ".join(f"{k} {a}/{n}" for k, (a, n) in point[key].items())
-                                 for name, key in (("whole turns", "turns"), ("held-out", "heldout_turns"))
-                                 if key in point) + f" | {time.perf_counter() - t0:.0f} s")
+                    f"whole turns {turns_text(point['turns'])}{held_out} | {time.perf_counter() - t0:.0f} s")
     model.eval()
     turns = curve[-1]["turns"]
     if cfg.keyed_steps:  # what the corpus left of the keyed skill
