@@ -195,3 +195,15 @@ def test_records_of_another_tokenizer_are_refused(trajectories, tmp_path, monkey
     other = tiny.tiny_checkpoint("qwen3_vl", cache_dir=tmp_path)
     with pytest.raises(DataError, match="not rendered with the tokenizer"):
         check_tokenizer(files[0], str(other))
+
+
+def test_rows_longer_than_max_len_are_counted_before_training(trajectories):
+    """The count the driver warns with: a row cut at max_len loses its last turn, the answer."""
+    from osvl.agent.trajectory import read_trajectories
+    from osvl.train.sft_data import long_rows, parquet_files
+
+    files, _ = parquet_files(trajectories)
+    lengths = sorted(len(t.input_ids) for f in files for t in read_trajectories(f))
+    mid = lengths[len(lengths) // 2]
+    assert long_rows(files, mid) == (sum(n > mid for n in lengths), len(lengths), lengths[-1])
+    assert long_rows(files, lengths[-1])[0] == 0 and long_rows(files, lengths[0] - 1)[0] == len(lengths)

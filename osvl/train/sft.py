@@ -40,7 +40,7 @@ from typing import Any, Literal
 from osvl.config import RunConfig, opt
 from osvl.errors import ConfigError, DataError
 from osvl.models.tiny import checkpoint_name
-from osvl.train.sft_data import check_tokenizer, count_rows, load_split, parquet_files
+from osvl.train.sft_data import check_tokenizer, count_rows, load_split, long_rows, parquet_files
 from osvl.train.sft_loop import JOB, draw_curves, train_loop
 
 logger = logging.getLogger(__name__)
@@ -174,6 +174,12 @@ def run(cfg: SftConfig, *, log: Callable[[str], None] = logger.info) -> dict[str
     steps = total_steps(cfg, n_train)
     log(f"sft: {n_train} train / {n_val} validation trajectories from {data_dir}; {steps} steps of "
         f"{cfg.num_workers}x{cfg.micro_batch}x{cfg.grad_accum}, ZeRO-{cfg.zero_stage} -> {out}")
+    n_long, n_rows, longest = long_rows(files, cfg.max_len)
+    if n_long:
+        fate = "cut: their last turns, the answer among them, are not trained" if cfg.truncation == "cut" \
+            else "dropped"
+        log(f"sft: WARNING {n_long} of {n_rows} trajectories are longer than max_len={cfg.max_len} "
+            f"(longest {longest} tokens) and are {fate}")
     init_ray(num_cpus=cfg.num_workers * cfg.threads_per_worker + 2)  # +2: Ray Data reads beside the workers
     log_file = out / "train_log.jsonl"
     trainer = make_trainer(
@@ -206,7 +212,8 @@ def run(cfg: SftConfig, *, log: Callable[[str], None] = logger.info) -> dict[str
     offer = trained_tools(data_dir)  # the policy's prompt showed these tools: evals offer the same
     (model_out / OFFER_FILE).write_text(json.dumps(offer))
     report: dict[str, Any] = {"model": str(model_out), "steps": steps, "train_s": round(train_s, 1),
-                              "train_rows": n_train, "val_rows": n_val, "resumed_at": resumed,
+                              "train_rows": n_train, "val_rows": n_val, "rows_over_max_len": n_long,
+                              "resumed_at": resumed,
                               "final": lines[max(lines)], "config": to_dict(cfg)}
     if cfg.data.n_eval > 0:
         from osvl.train.format_check import format_check, heldout_path
