@@ -278,3 +278,32 @@ def test_look_up_answers_right_after_a_search_copied_from_the_question(questions
         assert query[len(key) + 1:] in row["question"], (query, row["question"])
         early += any(find_span(traj.final_answer.strip(), t.observation) for t in calls[:looks[0]])
     assert answered >= 8 and early  # some answers were on view before the look-up: the option changed those
+
+
+@pytest.mark.slow
+def test_quote_reads_the_answer_at_its_key_and_copies_it_from_the_quote(questions):
+    """quote: the answer turn's thought is the latest response's "Key: answer" line, spelled as the response
+    spells it (the key is the question's answer key), and the answer is the value that line ends with."""
+    from osvl.agent.teacher import OracleConfig
+
+    rows = pq.read_table(questions / "sft.parquet").to_pylist()[:16]
+    cfg = OracleConfig(wording="fixed", reorder_prob=0.0, think="brief", in_order=True, look_up=True,
+                       verbatim=True, copy_space=True, quote=True)
+    quoted = 0
+    for row, traj in run_oracle(questions, rows, (0,), cfg):
+        if traj.final_answer == GIVE_UP:
+            continue
+        last = traj.turns[-1]
+        thought = re.search(r"<think>(.*?)</think>", last.text, re.S).group(1)
+        if thought == "The results give the answer.":  # no "Key: answer" line on view: the brief thought
+            assert not any(f"{row['answer_key']}: ".lower() + traj.final_answer.strip().lower() in
+                           t.observation.lower() for t in traj.turns[:-1])
+            continue
+        quoted += 1
+        assert thought.startswith("The results give the answer. ")  # the decision first, then the quote
+        thought = thought.removeprefix("The results give the answer.")
+        key, value = thought.strip().split(": ", 1)
+        assert key.lower() == row["answer_key"].lower() and value == traj.final_answer.strip()
+        seen = [t.observation for t in traj.turns[:-1] if thought.strip() in t.observation]
+        assert seen, thought  # copied from a response, spelling included
+    assert quoted >= 8

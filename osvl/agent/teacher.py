@@ -80,7 +80,11 @@ class OracleConfig:
                "instead of key and value joined ('currency CFP franc (XPF)'): every query piece is then one "
                "contiguous span of the conversation, a pure copy for a small student (whose induction head "
                "predicts ' is' after the key, docs/design.md, 'The demo policy').")
-
+    quote: bool = opt(
+        False, "The answer turn's thought ends with the response line the answer is read from, as the response "
+               "spells it ('... Field: Zoology, medicine, botany'): the answer is then read at its key, the way a "
+               "small student copies a value after 'key:', and copied again from the quote. The thought starts "
+               "as without it, so the decision to answer is its first word, not the key.")
 
 # The whole <think> of a turn under think="brief", by action. A toy-scale simplification: the
 # tiny demo model derails most often inside long reasons that repeat the names its query then
@@ -283,6 +287,10 @@ class PathOracle:
         fresh = [q for q in queries if q.lower() not in asked]
         tried = sum(1 for q in queries if q.lower() in asked)
         if answer is not None and (tried or not self.cfg.look_up):
+            quoted = self._quote(responses, answer) if self.cfg.quote else None
+            if quoted:  # the answer as the quote spells it: a copy of the thought's end
+                think = self._thought("response", f"The results give the {self._key(question)} of {last}.")
+                return assistant_text(think + self._spaced(quoted[0]), response=self._spaced(quoted[1]))
             think = self._pick(rng, [
                 f"The results give the {self._key(question)} of {last}: {answer}.",
                 f"{last} is the entity the question describes, and its {self._key(question)} is {answer}.",
@@ -400,6 +408,18 @@ class PathOracle:
         out.append(self._pick(rng, [f"{last} {key}", f"{key} of {last}"]))
         out.append(f"{key} {last}" if out[-1].startswith(last) else f"{last} {key}")
         return out
+
+    def _quote(self, responses: list[str], answer: str) -> tuple[str, str] | None:
+        """The latest "Key: answer" line of the responses whose key is the question's answer key, and the
+        answer as that line spells it (case may differ from ``answer``'s occurrence), or None."""
+        if not self.answer_key:
+            return None
+        key = r"\s+".join(re.escape(w) for w in self.answer_key.split())
+        for text in reversed(responses):
+            m = re.search(rf"(?<!\w){key}:\s*({re.escape(answer)})", text, flags=re.IGNORECASE)
+            if m:
+                return m.group(0), m.group(1)
+        return None
 
     def _answer_span(self, responses: list[str], found: dict[int, str]) -> str | None:
         """The answer as a response spells it, looked for only once the last hop is resolved."""
