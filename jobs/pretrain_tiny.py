@@ -47,20 +47,24 @@ def main(argv: list[str] | None = None) -> dict:
             "split": split, "max_questions": n, "n_teacher_rollouts": 1, "tiny_kind": base_kind})
         return expert.run(tcfg)[0] / "trajectories.parquet"
 
-    base = tiny_checkpoint(base_kind)
+    base = Path(cfg.init) if cfg.init else tiny_checkpoint(base_kind)
     tok = load_processor(base).tokenizer
     held = pipeline.split_titles(scfg, "heldout")
     tpath = trajectories("sft", 0)
-    rows = corpus_rows(read_trajectories(tpath), tok, held, cfg.max_len)
+    trajs = list(read_trajectories(tpath))
+    rows = corpus_rows(trajs, tok, held, cfg.max_len)
+    # a row's answer is its last turn: a row cut at max_len never shows one (answers 0/96 at max_len 1024)
+    n_cut = sum(len(r) > cfg.max_len for r in corpus_rows(trajs, tok, held, 1 << 16))
     probe = []
     if cfg.probe_questions:  # whole held-out trajectories, to read, never to train on
         probe = corpus_rows(read_trajectories(trajectories("heldout", cfg.probe_questions)), tok, set(), 1 << 16)
     out = run_dir(cfg, JOB)
-    report = train(cfg, rows, base, out, extra={"trajectories": str(tpath.parent), "heldout_entities": len(held)},
+    report = train(cfg, rows, base, out, extra={"trajectories": str(tpath.parent), "heldout_entities": len(held),
+                                             "rows_over_max_len": n_cut},
                    probe=probe)
     print(f"pretrain_tiny: {report['rows']} rows ({report['tokens']:,} tokens; {len(held)} held-out entities cut "
-          f"out), {cfg.steps} steps in {report['seconds'] / 60:.1f} min, validation loss {report['val_loss']:.4f} "
-          f"-> {report['model']}", flush=True)
+          f"out; {n_cut} rows cut at max_len={cfg.max_len}), {cfg.steps} steps in {report['seconds'] / 60:.1f} min, "
+          f"validation loss {report['val_loss']:.4f} -> {report['model']}", flush=True)
     if report["heldout_turns"]:
         print(f"pretrain_tiny: held-out turns greedy decoding reproduces whole: {turns_text(report['heldout_turns'])}",
               flush=True)

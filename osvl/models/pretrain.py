@@ -77,6 +77,9 @@ class PretrainConfig:
     grpo_profile: str = opt("demo", "GRPO profile whose synth and trajectories sections give the data recipe "
                                     "(the policy is pretrained on the same kind of questions and turns it is "
                                     "fine-tuned and trained on).")
+    init: str = opt("", "Checkpoint to start from (an earlier run's model/, to continue on a changed corpus or "
+                        "at another max_len); empty: the tiny model as built. Set embed_scale, copy_steps and "
+                        "keyed_steps to 0 when the checkpoint has been through them.")
     steps: int = opt(600, "Optimizer steps.")
     batch: int = opt(8, "Rows per step.")
     max_len: int = opt(1024, "Tokens per row (a row is cut after this).")
