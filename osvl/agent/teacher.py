@@ -86,6 +86,7 @@ class OracleConfig:
                "small student copies a value after 'key:', and copied again from the quote. The thought starts "
                "as without it, so the decision to answer is its first word, not the key.")
 
+
 # The whole <think> of a turn under think="brief", by action. A toy-scale simplification: the
 # tiny demo model derails most often inside long reasons that repeat the names its query then
 # has to repeat again; a fixed phrase keeps the format and leaves the copying to the arguments.
