@@ -415,11 +415,10 @@ class PathOracle:
         answer as that line spells it (case may differ from ``answer``'s occurrence), or None."""
         if not self.answer_key:
             return None
-        key = r"\s+".join(re.escape(w) for w in self.answer_key.split())
         for text in reversed(responses):
-            m = re.search(rf"(?<!\w){key}:\s*({re.escape(answer)})", text, flags=re.IGNORECASE)
-            if m:
-                return m.group(0), m.group(1)
+            line = find_span(f"{self.answer_key}: {answer}", text)
+            if line:
+                return line, line.split(":", len(self.answer_key.split(":")))[-1].lstrip()
         return None
 
     def _answer_span(self, responses: list[str], found: dict[int, str]) -> str | None:
