@@ -307,3 +307,30 @@ def test_quote_reads_the_answer_at_its_key_and_copies_it_from_the_quote(question
         seen = [t.observation for t in traj.turns[:-1] if thought.strip() in t.observation]
         assert seen, thought  # copied from a response, spelling included
     assert quoted >= 8
+
+
+@pytest.mark.slow
+def test_look_up_top_k_leaves_one_result_to_read_the_answer_from(questions):
+    """look_up_top_k=1: the look-up search (after every hop) asks for one result and its response lists one;
+    the hop searches before it keep top_k."""
+    from osvl.agent.teacher import OracleConfig
+
+    rows = pq.read_table(questions / "sft.parquet").to_pylist()[:16]
+    cfg = OracleConfig(wording="fixed", reorder_prob=0.0, think="brief", in_order=True, look_up=True,
+                       verbatim=True, copy_space=True, look_up_top_k=1)
+    looked = read_there = 0
+    for row, traj in run_oracle(questions, rows, (0,), cfg):
+        key = find_span(row["answer_key"], row["question"])
+        if traj.final_answer == GIVE_UP or key is None:
+            continue
+        *calls, answer = traj.turns
+        searches = [t for t in calls if t.tool == "text_search"]
+        ones = [i for i, t in enumerate(searches) if t.arguments["top_k"] == 1]
+        assert len(ones) == 1, [t.arguments for t in searches]
+        look = searches[ones[0]]
+        assert look.arguments["query"].strip().lower().startswith(key.lower() + " ")
+        assert all(t.arguments["top_k"] in (cfg.top_k, cfg.retry_top_k) for t in searches[:ones[0]])
+        assert re.findall(r"^\d+\. ", look.observation, re.M) == ["1. "]
+        looked += 1
+        read_there += look is calls[-1] and find_span(traj.final_answer.strip(), look.observation) is not None
+    assert looked >= 8 and read_there >= looked // 2

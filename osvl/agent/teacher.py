@@ -75,6 +75,11 @@ class OracleConfig:
         False, "After the last hop, always search for the answer (the key and the last hop's descriptor as the "
                "question spells them), even when a response already shows it: every episode then answers right "
                "after that search, so when to answer follows from the turns, not from reading the responses.")
+    look_up_top_k: int = opt(
+        0, "top_k of the look-up search (0: top_k). 1 leaves one 'Key: value' line of the asked key in the "
+           "latest response, the one the answer is read from, instead of one per result (top_k 3: three "
+           "'Area:' lines for a small student to choose from). Should the best result not show the answer, "
+           "the next answer query runs at top_k.")
     verbatim: bool = opt(
         False, "Search an attribute hop with its clause as the question spells it ('currency is CFP franc (XPF)') "
                "instead of key and value joined ('currency CFP franc (XPF)'): every query piece is then one "
@@ -305,7 +310,8 @@ class PathOracle:
             f"Now I need the {self._key(question)} of {last}.",
             f"Every hop is resolved; search for the {self._key(question)} of {last}.",
         ]) if tried == 0 else f"That did not show the {self._key(question)}; try another query."
-        return self._call(think, "text_search", {"query": self._spaced(fresh[0]), "top_k": self.cfg.top_k})
+        top_k = self.cfg.look_up_top_k if self.cfg.look_up and self.cfg.look_up_top_k and tried == 0 else self.cfg.top_k
+        return self._call(think, "text_search", {"query": self._spaced(fresh[0]), "top_k": top_k})
 
     def _give_up(self, rng: np.random.Generator, why: str) -> str:
         return assistant_text(f"I am stuck: {why}.", response=GIVE_UP)
