@@ -106,10 +106,11 @@ def test_sub_job_overrides_are_typed_by_the_sub_jobs_configs():
     assert cfg.synth["walk"] == {"hops": [2, 3], "hop_probs": [0.5, 0.5]}
     assert cfg.synth["degrade"] == {"share": 0.0}  # the demo profile's entries stay beside the flags
     assert cfg.sft["epochs"] == 4.0 and isinstance(cfg.sft["epochs"], float) and cfg.sft["max_len"] == 1024
-    assert cfg.trajectories["agent"] == {"max_turns": 12} and cfg.trajectories["max_questions"] == 400
+    assert cfg.trajectories["agent"] == {"max_turns": 12} and cfg.trajectories["max_questions"] == 1000
     assert cfg.trajectories["teacher"]["oracle"] == {"top_k": 3, "think": "full", "wording": "fixed",
                                                      "reorder_prob": 0.0, "copy_space": True, "verbatim": True,
-                                                     "in_order": True, "look_up": True}
+                                                     "in_order": True, "look_up": True, "look_up_top_k": 1,
+                                                     "quote": True}
 
 
 @pytest.mark.parametrize(("flag", "message"), [
