@@ -1,10 +1,14 @@
 """The tiny policy's pretraining (jobs/pretrain_tiny.py): its corpus cuts held-out entities out, the loop lowers the
-loss and leaves an ordinary checkpoint."""
+loss and leaves an ordinary checkpoint, from which a second run (``--init``) continues."""
 
 import json
+from dataclasses import replace
 from types import SimpleNamespace
 
+import pytest
+
 from osvl import chat as fmt
+from osvl.errors import ConfigError
 from osvl.models import pretrain, tiny
 from osvl.models.load import load_model, load_processor
 
@@ -82,6 +86,17 @@ def test_pretraining_lowers_the_loss_and_writes_a_checkpoint_sft_can_load(tmp_pa
     assert set(saved["keyed"]) == {"before_corpus", "after_corpus"} and saved["keyed"]["after_corpus"]["of"] == 100
     assert saved["corpus"] == "six rows" and set(saved["turns"]) == {"search1", "answer"}
     assert all(n == 2 for _, n in saved["turns"].values())  # two validation rows, one turn of each kind in each
+    # `--init`: the job continues from such a checkpoint (no second tying or scaling) on the same validation rows
+    more = pretrain.PretrainConfig(run=RunConfig(root=str(tmp_path)), steps=2, batch=2, val_rows=2, lr=3e-3,
+                                   log_every=2)
+    with pytest.raises(ConfigError, match="embed_scale=0"):  # the profile's embed_scale would scale them twice
+        pretrain.train(replace(more, embed_scale=5.0), rows, tmp_path / "model", tmp_path / "cont", log=lambda m: None)
+    cont = pretrain.train(more, rows, tmp_path / "model", tmp_path / "cont", log=lambda m: None)
+    assert abs(cont["curve"][0]["val"] - report["val_loss"]) < 1e-4  # it starts where the first run ended
+    again = load_model(tmp_path / "cont" / "model", dtype="float32", device="cpu")
+    emb = again.get_input_embeddings().weight
+    assert again.get_output_embeddings().weight.data_ptr() == emb.data_ptr()  # still tied
+    assert 4 < float(emb.detach().std() / as_built.detach().std()) < 6  # and not scaled twice
 
 
 def test_turn_probe_counts_a_turn_only_when_every_greedy_token_is_right():

@@ -78,8 +78,8 @@ class PretrainConfig:
                                     "(the policy is pretrained on the same kind of questions and turns it is "
                                     "fine-tuned and trained on).")
     init: str = opt("", "Checkpoint to start from (an earlier run's model/, to continue on a changed corpus or "
-                        "at another max_len); empty: the tiny model as built. Set embed_scale, copy_steps and "
-                        "keyed_steps to 0 when the checkpoint has been through them.")
+                        "at another max_len); empty: the tiny model as built. Set embed_scale (refused on tied "
+                        "embeddings), copy_steps and keyed_steps to 0 when the checkpoint has been through them.")
     steps: int = opt(600, "Optimizer steps.")
     batch: int = opt(8, "Rows per step.")
     max_len: int = opt(1024, "Tokens per row (a row is cut after this).")
@@ -250,6 +250,9 @@ def tie_and_scale(model: Any, scale: float) -> None:
     import torch
 
     emb = model.get_input_embeddings()
+    if model.get_output_embeddings().weight is emb.weight:  # a checkpoint of this job (``init``): scaled already
+        raise ConfigError(f"the model's embeddings are tied already, so it has been scaled once: set embed_scale=0 "
+                          f"to continue from it (embed_scale={scale} would scale them again)")
     with torch.no_grad():
         emb.weight.mul_(scale)
     model.config.tie_word_embeddings = True
