@@ -4,6 +4,7 @@
    one learner step or logged as dropped with a reason, and the killed actor's groups are re-issued.
 2. The job SIGKILLed after a checkpoint and rerun: step count, policy version, data cursor, weights and
    Adam moments continue exactly from what the checkpoint holds.
+3. Weights a rollout actor cannot apply end its run with the reason, not in a wait that never ends.
 
 The resume test's policy is the tiny agent checkpoint of ``osvl.agent.scripted`` (it calls crop and
 text_search, then answers), so rewards differ within a group and the Adam moments are not zero.
@@ -108,6 +109,33 @@ def test_killed_rollout_actor_groups_are_reissued_and_accounted_once(questions_d
         assert im.format == "PNG" and im.width > 600 and im.height > 400
     for g in reissued:
         assert ledger[g]["attempt"] >= 1 and ledger[g]["actor"].startswith("rollout0~"), (g, ledger[g])
+
+
+def test_rollout_actor_fails_when_a_weight_update_cannot_be_applied(questions_dir, ray_cluster):
+    """Published weights the engine refuses (here a name the model does not have; once, a tied model's
+    lm_head.weight) end the actor's run with the reason, instead of leaving its groups waiting for a
+    version that never arrives (a GRPO run once hung so)."""
+    import ray
+    import torch
+
+    from osvl.models.tiny import tiny_checkpoint
+    from osvl.rl.buffer import TrajectoryBuffer
+    from osvl.rl.rollout import RolloutWorker
+    from osvl.rl.weights import WeightStore, publish
+
+    buffer = ray.remote(TrajectoryBuffer).options(num_cpus=0).remote(2, 1, 2, 1, 0, 3)
+    store = ray.remote(WeightStore).options(num_cpus=0).remote()
+    actor = ray.remote(RolloutWorker).options(num_cpus=1, max_restarts=0).remote(
+        "rollout0", RolloutConfig(**ROLLOUT), str(tiny_checkpoint("qwen3_vl")),
+        read_questions(questions_dir / "rl.parquet"), str(questions_dir / "images"),
+        str(questions_dir / "work_images"), buffer, store, 2)
+    try:
+        publish(store, {"no_such.weight": torch.zeros(3)}, 0)
+        with pytest.raises(ray.exceptions.RayTaskError, match="weight sync failed.*no_such.weight"):
+            ray.get(actor.run.remote(), timeout=120)  # a hang would end in GetTimeoutError instead
+    finally:
+        for a in (actor, buffer, store):
+            ray.kill(a)
 
 
 # The tiny agent often draws groups of equal rewards (all 0), whose advantages and so gradients are 0: the
