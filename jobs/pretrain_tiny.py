@@ -18,56 +18,73 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 from osvl.logs import start_job  # noqa: E402
-from osvl.models.pretrain import JOB, PretrainConfig, corpus_rows, train, turns_text  # noqa: E402
+from osvl.models.pretrain import BASE_KIND, JOB, PretrainConfig, corpus_rows, export, train, turns_text  # noqa: E402
 
 
-def main(argv: list[str] | None = None) -> dict:
-    from osvl.agent.trajectory import read_trajectories
-    from osvl.config import parse_args, run_dir, upstream_config
-    from osvl.models.load import load_processor
-    from osvl.models.tiny import tiny_checkpoint
+def demo_trajectories(run: Any, grpo_profile: str, split: str, n: int) -> tuple[Path, set[str]]:
+    """The oracle's trajectories (one rollout each) of the first ``n`` (0: every) questions of ``split`` under the
+    GRPO profile's data recipe (its ``synth`` and ``trajectories`` sections), built or reused under ``run.root``,
+    and the titles of the held-out split's entities. The committed policy's test rebuilds its probe with it."""
+    from osvl.config import parse_args, upstream_config
     from osvl.rl.job import GRPOConfig
     from osvl.rl.trainer import JOB as GRPO_JOB
     from osvl.synth import expert, pipeline
 
+    grpo = parse_args(GRPOConfig, GRPO_JOB, [f"--profile={grpo_profile}"])
+    scfg = upstream_config(pipeline.SynthConfig, pipeline.JOB, run, grpo.synth)
+    qdir, _ = pipeline.run(scfg)
+    tcfg = upstream_config(expert.TrajConfig, expert.JOB, run, {
+        "questions": str(qdir), "offer": list(grpo.rollout.offer), **grpo.trajectories,
+        "split": split, "max_questions": n, "n_teacher_rollouts": 1, "tiny_kind": BASE_KIND})
+    return expert.run(tcfg)[0] / "trajectories.parquet", pipeline.split_titles(scfg, "heldout")
+
+
+def main(argv: list[str] | None = None) -> dict:
+    import json
+
+    from osvl.agent.trajectory import read_trajectories
+    from osvl.config import input_path, run_dir
+    from osvl.models.load import load_processor
+    from osvl.models.tiny import tiny_checkpoint
+
     cfg = start_job(PretrainConfig, JOB, argv)
     cfg.check()
-    grpo = parse_args(GRPOConfig, GRPO_JOB, [f"--profile={cfg.grpo_profile}"])
-    scfg = upstream_config(pipeline.SynthConfig, pipeline.JOB, cfg.run, grpo.synth)
-    qdir, _ = pipeline.run(scfg)
-    base_kind = "qwen3_vl"  # its tokenizer renders the records, and the pretrained model keeps it
-
-    def trajectories(split: str, n: int) -> Path:
-        tcfg = upstream_config(expert.TrajConfig, expert.JOB, cfg.run, {
-            "questions": str(qdir), "offer": list(grpo.rollout.offer), **grpo.trajectories,
-            "split": split, "max_questions": n, "n_teacher_rollouts": 1, "tiny_kind": base_kind})
-        return expert.run(tcfg)[0] / "trajectories.parquet"
-
-    base = Path(cfg.init) if cfg.init else tiny_checkpoint(base_kind)
+    base = Path(cfg.init) if cfg.init else tiny_checkpoint(BASE_KIND)
     tok = load_processor(base).tokenizer
-    held = pipeline.split_titles(scfg, "heldout")
-    tpath = trajectories("sft", 0)
+    tpath, held = demo_trajectories(cfg.run, cfg.grpo_profile, "sft", 0)
     trajs = list(read_trajectories(tpath))
     rows = corpus_rows(trajs, tok, held, cfg.max_len)
     # a row's answer is its last turn: a row cut at max_len never shows one (answers 0/96 at max_len 1024)
     n_cut = sum(len(r) > cfg.max_len for r in corpus_rows(trajs, tok, held, 1 << 16))
     probe = []
     if cfg.probe_questions:  # whole held-out trajectories, to read, never to train on
-        probe = corpus_rows(read_trajectories(trajectories("heldout", cfg.probe_questions)), tok, set(), 1 << 16)
+        ppath, _ = demo_trajectories(cfg.run, cfg.grpo_profile, "heldout", cfg.probe_questions)
+        probe = corpus_rows(read_trajectories(ppath), tok, set(), 1 << 16)
     out = run_dir(cfg, JOB)
-    report = train(cfg, rows, base, out, extra={"trajectories": str(tpath.parent), "heldout_entities": len(held),
-                                             "rows_over_max_len": n_cut},
-                   probe=probe)
+    if (out / "report.json").is_file() and (out / "model").is_dir():  # finished: rerun to export, not to train
+        report = json.loads((out / "report.json").read_text())
+        print(f"pretrain_tiny: reusing the finished run {out}", flush=True)
+    else:
+        report = train(cfg, rows, base, out, extra={"trajectories": str(tpath.parent), "heldout_entities": len(held),
+                                                 "rows_over_max_len": n_cut},
+                       probe=probe)
     print(f"pretrain_tiny: {report['rows']} rows ({report['tokens']:,} tokens; {len(held)} held-out entities cut "
           f"out; {n_cut} rows cut at max_len={cfg.max_len}), {cfg.steps} steps in {report['seconds'] / 60:.1f} min, "
           f"validation loss {report['val_loss']:.4f} -> {report['model']}", flush=True)
     if report["heldout_turns"]:
         print(f"pretrain_tiny: held-out turns greedy decoding reproduces whole: {turns_text(report['heldout_turns'])}",
               flush=True)
+    if cfg.export_to:
+        card = export(out / "model", input_path(cfg.export_to), probe, {
+            "grpo_profile": cfg.grpo_profile, "heldout_questions": cfg.probe_questions, "run": out.name,
+            **{k: report[k] for k in ("rows", "tokens", "steps", "seconds", "val_loss", "heldout_turns")}})
+        print(f"pretrain_tiny: exported float16 weights to {cfg.export_to} (held-out loss {card['heldout_loss']:.4f} "
+              f"on the oracle's trajectories of {cfg.probe_questions} held-out questions)", flush=True)
     return report
 
 

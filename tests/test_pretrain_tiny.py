@@ -86,6 +86,18 @@ def test_pretraining_lowers_the_loss_and_writes_a_checkpoint_sft_can_load(tmp_pa
     assert set(saved["keyed"]) == {"before_corpus", "after_corpus"} and saved["keyed"]["after_corpus"]["of"] == 100
     assert saved["corpus"] == "six rows" and set(saved["turns"]) == {"search1", "answer"}
     assert all(n == 2 for _, n in saved["turns"].values())  # two validation rows, one turn of each kind in each
+    # `--export_to`: float16 weights, tied embeddings stored once, a card with the held-out loss; a data card kept
+    (tmp_path / "export").mkdir()
+    (tmp_path / "export" / "README.md").write_text("data card")
+    card = pretrain.export(tmp_path / "model", tmp_path / "export", probe, {"steps": 12})
+    assert (tmp_path / "export" / "README.md").read_text() == "data card"
+    assert json.loads((tmp_path / "export" / "card.json").read_text()) == card and card["steps"] == 12
+    half = (tmp_path / "export" / "model.safetensors").stat().st_size
+    assert half < 0.55 * (tmp_path / "model" / "model.safetensors").stat().st_size
+    pad = int(model.config.text_config.pad_token_id)
+    assert abs(card["heldout_loss"] - pretrain.val_loss(model, probe, pad)) < 0.01  # float16 rounding only
+    exported = load_model(tmp_path / "export", dtype="float32", device="cpu")
+    assert exported.get_output_embeddings().weight.data_ptr() == exported.get_input_embeddings().weight.data_ptr()
     # `--init`: the job continues from such a checkpoint (no second tying or scaling) on the same validation rows
     more = pretrain.PretrainConfig(run=RunConfig(root=str(tmp_path)), steps=2, batch=2, val_rows=2, lr=3e-3,
                                    log_every=2)
@@ -188,3 +200,4 @@ def test_keyed_rows_end_with_one_records_value_after_its_key_and_the_shared_link
         hits = [i for i in range(len(head)) if head[i:i + len(key) + 1] == key + link]
         assert any(head[i + len(key) + 1:i + len(key) + 1 + len(value)] == value for i in hits)
         assert head.count(5) >= 2  # at least two records: " is" alone is ambiguous
+

@@ -59,6 +59,9 @@ from osvl.errors import ConfigError
 logger = logging.getLogger(__name__)
 
 JOB = "pretrain_tiny"
+BASE_KIND = "qwen3_vl"  # the tiny kind pretrained: its tokenizer renders the records, and the checkpoint keeps it
+# The committed checkpoint of this job (fp16, its data card README.md and card.json beside it): the demo's base.
+POLICY = Path(__file__).with_name("weights") / "tiny_policy"
 # a search hit as the tools print it: "3. Title" (text_search) or "1. Title — snippet" (image_search)
 HIT = re.compile(r"^\s*\d+\. (.+?)(?: — .*)?$", re.M)
 # spans of the question an agent copies into its queries: a clause's value ("whose currency is CFP franc
@@ -107,6 +110,10 @@ class PretrainConfig:
                                  "predicted by copying, not recalled.")
     probe_questions: int = opt(100, "Held-out questions whose oracle trajectories ``turn_probe`` reads at every "
                                     "progress line (0: none). Never trained on.", hashed=False)
+    export_to: str = opt("", "Also write the trained weights here as a float16 checkpoint with card.json (its held-out "
+                             "loss on the probe's rows, as the committed policy's test checks it); e.g. "
+                             "osvl/models/weights/tiny_policy. A finished run is reused, not trained again.",
+                         hashed=False)
     log_every: int = opt(50, "Progress line (with the validation loss) every N steps.", hashed=False)
     threads: int = opt(2, "torch CPU threads.", hashed=False)
 
@@ -333,6 +340,29 @@ def val_loss(model: Any, rows: list[list[int]], pad_id: int, chunk: int = 16) ->
             total += float(lm_loss(model, part, pad_id)) * toks
             n += toks
     return total / n
+
+
+def export(model_dir: Path, dest: Path, probe: list[list[int]], card: dict[str, Any]) -> dict[str, Any]:
+    """Write checkpoint ``model_dir`` to ``dest`` with float16 weights (half the bytes; the tiny model's
+    tied embeddings are stored once) and ``card.json``: ``card`` plus ``heldout_loss``, the token-weighted
+    loss of the float16 weights on ``probe`` (rows never trained on), the figure the committed policy's
+    test reproduces. Returns the card."""
+    import torch
+
+    from osvl.models.load import load_model
+
+    model = load_model(model_dir, dtype="float32", device="cpu").eval()
+    dest.mkdir(parents=True, exist_ok=True)
+    for old in dest.glob("*.safetensors*"):  # a sharded or older export must not be loaded beside the new one
+        old.unlink()
+    # the folder's README.md is its data card, written by hand from card.json: kept
+    shutil.copytree(model_dir, dest, dirs_exist_ok=True, ignore=shutil.ignore_patterns("*.safetensors*", "README.md"))
+    model.to(torch.float16).save_pretrained(dest)
+    again = load_model(dest, dtype="float32", device="cpu").eval()  # what a user loads: fp16 weights, upcast
+    card = {**card, "dtype": "float16", "parameters": sum(p.numel() for p in again.parameters()),
+            "heldout_loss": val_loss(again, probe, int(again.config.text_config.pad_token_id)) if probe else None}
+    (dest / "card.json").write_text(json.dumps(card, indent=1))
+    return card
 
 
 def _swapper(cfg: PretrainConfig, rows: list[list[int]], tok: Any,

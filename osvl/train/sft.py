@@ -62,7 +62,8 @@ class DataConfig:
 class SftConfig:
     run: RunConfig = opt(RunConfig, "Run root and seed.")
     data: DataConfig = opt(DataConfig, "Training data.")
-    model: str = opt("", "Checkpoint directory to fine-tune; empty = the tiny model of tiny_kind.")
+    model: str = opt("", "Checkpoint directory to fine-tune (a relative path is taken from the repo root, as "
+                         "osvl/models/weights/tiny_policy); empty = the tiny model of tiny_kind.")
     tiny_kind: str = opt("qwen3_vl", "osvl.models.tiny kind used when model is empty (the run hash sees its "
                                       "checkpoint's name, which changes with its weights).", hash_as=checkpoint_name)
     epochs: float = opt(1.0, "Passes over the training trajectories (fractions allowed).")
@@ -100,7 +101,9 @@ class SftConfig:
 def student(cfg: SftConfig) -> dict[str, str]:
     """The trajectories-job overrides that render its records with this run's tokenizer: the records' token
     ids are what SFT trains on, and another tokenizer's ids are other words (``check_tokenizer``)."""
-    return {"model": cfg.model} if cfg.model else {"tiny_kind": cfg.tiny_kind}
+    from osvl.config import input_path
+
+    return {"model": str(input_path(cfg.model))} if cfg.model else {"tiny_kind": cfg.tiny_kind}
 
 
 def resolve_data(cfg: SftConfig, out: Path, model_dir: str) -> Path:
@@ -157,7 +160,7 @@ def loss_curve(log_file: Path, width: int = 60) -> str:
 def run(cfg: SftConfig, *, log: Callable[[str], None] = logger.info) -> dict[str, Any]:
     """Train (resuming if this run folder has checkpoints), export the HF model, run the format check."""
     from osvl.cluster import init_ray
-    from osvl.config import run_dir, to_dict
+    from osvl.config import input_path, run_dir, to_dict
     from osvl.models.tiny import tiny_checkpoint
     from osvl.storage import location as storage_location
     from osvl.storage import publish
@@ -166,7 +169,7 @@ def run(cfg: SftConfig, *, log: Callable[[str], None] = logger.info) -> dict[str
     if cfg.zero_stage not in (2, 3):
         raise ConfigError(f"zero_stage must be 2 or 3, got {cfg.zero_stage}")
     out = run_dir(cfg, JOB)
-    model_dir = cfg.model or str(tiny_checkpoint(cfg.tiny_kind))
+    model_dir = str(input_path(cfg.model)) if cfg.model else str(tiny_checkpoint(cfg.tiny_kind))
     data_dir = resolve_data(cfg, out, model_dir)
     files, image_dir = parquet_files(data_dir)
     check_tokenizer(files[0], model_dir)
