@@ -11,6 +11,10 @@ checkpoint it prints is an ordinary model directory to fine-tune:
     python jobs/pretrain_tiny.py
     make demo DEMO_ARGS="--sft.model=<the printed model folder>"
 
+``--export_to=osvl/models/weights/tiny_policy`` writes it as the committed float16 base the demo profile
+fine-tunes, with ``card.json`` (its held-out loss, which a test reproduces); rerun on a finished run, the
+job only exports.
+
 Deterministic from ``run.seed`` on one machine type; nothing is downloaded.
 """
 

@@ -126,6 +126,8 @@ class PretrainConfig:
             raise ConfigError(f"keyed_links must be non-empty strings, got {self.keyed_links}")
         if not 0.0 <= self.swap_share <= 1.0:
             raise ConfigError(f"swap_share must be in [0, 1], got {self.swap_share}")
+        if self.export_to and not self.probe_questions:
+            raise ConfigError("export_to needs probe_questions > 0: the exported card states the held-out loss")
 
 
 def shown_titles(text: str) -> set[str]:
