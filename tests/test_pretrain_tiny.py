@@ -201,3 +201,25 @@ def test_keyed_rows_end_with_one_records_value_after_its_key_and_the_shared_link
         assert any(head[i + len(key) + 1:i + len(key) + 1 + len(value)] == value for i in hits)
         assert head.count(5) >= 2  # at least two records: " is" alone is ambiguous
 
+
+@pytest.mark.slow
+def test_the_committed_policy_reproduces_its_documented_heldout_loss(ray_cluster, tmp_path):
+    """The demo's base, ``osvl/models/weights/tiny_policy``: float16 and small, the tiny model's tokenizer, and on
+    the oracle's trajectories of the held-out questions (rebuilt here with the job's own function; the job's
+    corpus cut every held-out passage out) the loss its card and data card state."""
+    from jobs.pretrain_tiny import demo_trajectories
+    from osvl.agent.trajectory import read_trajectories
+    from osvl.config import RunConfig
+
+    card = json.loads((pretrain.POLICY / "card.json").read_text())
+    assert (pretrain.POLICY / "model.safetensors").stat().st_size <= 5 * 1024 * 1024 and card["dtype"] == "float16"
+    assert f"{card['heldout_loss']:.4f}" in (pretrain.POLICY / "README.md").read_text()
+    tok = load_processor(pretrain.POLICY).tokenizer
+    assert tok.get_vocab() == load_processor(tiny.tiny_checkpoint(pretrain.BASE_KIND)).tokenizer.get_vocab()
+    model = load_model(pretrain.POLICY, dtype="float32", device="cpu").eval()
+    path, held = demo_trajectories(RunConfig(root=str(tmp_path)), card["grpo_profile"], "heldout",
+                                   card["heldout_questions"])
+    rows = pretrain.corpus_rows(read_trajectories(path), tok, set(), 1 << 16)
+    assert len(rows) >= 0.8 * card["heldout_questions"] and held  # the questions the oracle got right
+    loss = pretrain.val_loss(model, rows, int(model.config.text_config.pad_token_id))
+    assert abs(loss - card["heldout_loss"]) < 1e-3, (loss, card["heldout_loss"])
