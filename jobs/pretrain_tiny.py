@@ -61,10 +61,6 @@ def main(argv: list[str] | None = None) -> dict:
     base = Path(cfg.init) if cfg.init else tiny_checkpoint(BASE_KIND)
     tok = load_processor(base).tokenizer
     tpath, held = demo_trajectories(cfg.run, cfg.grpo_profile, "sft", 0)
-    trajs = list(read_trajectories(tpath))
-    rows = corpus_rows(trajs, tok, held, cfg.max_len)
-    # a row's answer is its last turn: a row cut at max_len never shows one (answers 0/96 at max_len 1024)
-    n_cut = sum(len(r) > cfg.max_len for r in corpus_rows(trajs, tok, held, 1 << 16))
     probe = []
     if cfg.probe_questions:  # whole held-out trajectories, to read, never to train on
         ppath, _ = demo_trajectories(cfg.run, cfg.grpo_profile, "heldout", cfg.probe_questions)
@@ -72,8 +68,13 @@ def main(argv: list[str] | None = None) -> dict:
     out = run_dir(cfg, JOB)
     if (out / "report.json").is_file() and (out / "model").is_dir():  # finished: rerun to export, not to train
         report = json.loads((out / "report.json").read_text())
+        n_cut = report["rows_over_max_len"]
         print(f"pretrain_tiny: reusing the finished run {out}", flush=True)
     else:
+        trajs = list(read_trajectories(tpath))
+        rows = corpus_rows(trajs, tok, held, cfg.max_len)
+        # a row's answer is its last turn: a row cut at max_len never shows one (answers 0/96 at max_len 1024)
+        n_cut = sum(len(r) > cfg.max_len for r in corpus_rows(trajs, tok, held, 1 << 16))
         report = train(cfg, rows, base, out, extra={"trajectories": str(tpath.parent), "heldout_entities": len(held),
                                                  "rows_over_max_len": n_cut},
                        probe=probe)
