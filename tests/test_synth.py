@@ -84,7 +84,7 @@ def graph(kg_dir):
     return Graph.load(kg_dir)
 
 
-def _rows(graph, n: int = 60, seed: int = 0):
+def _rows(graph, n: int = 60, seed: int = 0, key_case: str = "lower"):
     """Template-rewritten, invariant-checked rows, as the pipeline builds them."""
     from osvl.synth.invariants import violations
     from osvl.synth.rewrite import template_rewrite
@@ -98,7 +98,7 @@ def _rows(graph, n: int = 60, seed: int = 0):
             break
         s = graph.seeds()[int(rng.integers(len(graph.seeds())))]
         walk = random_walk(graph, s, int(rng.integers(2, 5)), rng, split_of, WalkConfig(hub_in_degree=100), skips)
-        draft = walk and template_rewrite(graph, walk, rng, drops)
+        draft = walk and template_rewrite(graph, walk, rng, drops, key_case)
         if draft:
             row = {"question": draft.question, "path": draft.path, "answer": draft.answer,
                    "answer_key": draft.answer_key, "answer_aliases": draft.answer_aliases, "hops": len(walk.relations)}
@@ -251,12 +251,26 @@ def test_degradations_record_parameters_and_undo_tool(kind, tool):
         degrade(img, "sepia", np.random.default_rng(0))
 
 
+def test_kg_key_case_spells_the_answer_key_as_the_kg_does(graph):
+    """``rewriter.key_case=kg``: the same questions, the answer key in the KG's own case ("the Field of"), so
+    that it is the same text as the "Field: ..." line a search result shows."""
+    lower, _, _ = _rows(graph, n=30)
+    kg, _, _ = _rows(graph, n=30, key_case="kg")
+    assert [r["path"] for r in kg] == [r["path"] for r in lower]
+    assert any(r["answer_key"] != r["answer_key"].lower() for r in kg)  # the check below can fail
+    for a, b in zip(lower, kg, strict=True):
+        key = b["answer_key"]
+        assert b["question"].startswith(f"What is the {key} of ")
+        assert b["question"] == a["question"].replace(key.lower(), key, 1)
+
+
 def test_config_rejects_bad_values():
     from osvl.config import apply_override
     from osvl.synth.pipeline import SynthConfig, validate
 
     for key, value in [("walk.hop_probs", "0.5,0.6,0.2"), ("split_fractions", "0.5,0.5"),
-                       ("degrade.kinds", "blur,sepia"), ("rewriter.kind", "llm")]:
+                       ("degrade.kinds", "blur,sepia"), ("rewriter.kind", "llm"),
+                       ("rewriter.key_case", "upper")]:
         with pytest.raises(ConfigError):
             validate(apply_override(SynthConfig(), key, value))
     validate(SynthConfig())

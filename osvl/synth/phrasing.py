@@ -164,9 +164,16 @@ def attribute_phrase(key: str, value: str) -> str:
     return f"the one whose {rel} is {value}"
 
 
-def question(answer_key: str, inner: str, nested: bool = False) -> str:
-    """The final question: what the answer attribute of the last entity is."""
-    return f"What is {relation_phrase(answer_key.lower(), inner, nested)}?"
+def question(answer_key: str, inner: str, nested: bool = False, key_case: str = "lower") -> str:
+    """The final question: what the answer attribute of the last entity is.
+
+    ``key_case="kg"`` spells the key as the KG stores it ("What is the Field of ..."): the same tokens as
+    the "Field: ..." line of the result the answer is read from, which a policy that copies by token can
+    find by the key (``lower``, the default, reads as English: "the field of")."""
+    text = relation_phrase(answer_key.lower(), inner, nested)
+    if key_case == "kg":
+        text = text.replace(label(answer_key).lower(), label(answer_key), 1)
+    return f"What is {text}?"
 
 
 def readable(text: str) -> bool:

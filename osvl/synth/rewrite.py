@@ -128,8 +128,10 @@ class Draft:
     answer_aliases: list[str]
 
 
-def template_rewrite(graph: Graph, walk: Walk, rng: np.random.Generator, drops: Counter[str]) -> Draft | None:
-    """Rewrite ``walk`` back to front; None (reason counted) when some hop has no safe unique descriptor."""
+def template_rewrite(graph: Graph, walk: Walk, rng: np.random.Generator, drops: Counter[str],
+                     key_case: str = "lower") -> Draft | None:
+    """Rewrite ``walk`` back to front; None (reason counted) when some hop has no safe unique descriptor.
+    ``key_case``: how the question spells the answer key (``osvl.synth.phrasing.question``)."""
     ids = walk.entities
     aliases = graph.answer_aliases(walk.answer)
     forms = guarded_forms(graph, ids, walk.answer, aliases)
@@ -153,7 +155,7 @@ def template_rewrite(graph: Graph, walk: Walk, rng: np.random.Generator, drops: 
     phrase = visual_reference(graph, ids[0])
     for i in range(1, len(ids)):
         phrase = hop_phrase(chosen[i - 1], walk.relations[i - 1], phrase, nested=i > 1)
-    text = question(walk.answer_key, phrase, nested=True)
+    text = question(walk.answer_key, phrase, nested=True, key_case=key_case)
     if why := clean(text):  # e.g. a description ending in the word the relation starts with
         drops[f"unreadable_{why}"] += 1
         return None
