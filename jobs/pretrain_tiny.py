@@ -30,22 +30,31 @@ from osvl.logs import start_job  # noqa: E402
 from osvl.models.pretrain import BASE_KIND, JOB, PretrainConfig, corpus_rows, export, train, turns_text  # noqa: E402
 
 
-def demo_trajectories(run: Any, grpo_profile: str, split: str, n: int) -> tuple[Path, set[str]]:
+def demo_trajectories(run: Any, grpo_profile: str, split: str, n: int,
+                      synth: dict[str, Any] | None = None) -> tuple[Path, set[str]]:
     """The oracle's trajectories (one rollout each) of the first ``n`` (0: every) questions of ``split`` under the
-    GRPO profile's data recipe (its ``synth`` and ``trajectories`` sections), built or reused under ``run.root``,
-    and the titles of the held-out split's entities. The committed policy's test rebuilds its probe with it."""
-    from osvl.config import parse_args, upstream_config
-    from osvl.rl.job import GRPOConfig
-    from osvl.rl.trainer import JOB as GRPO_JOB
+    GRPO profile's data recipe (its ``synth`` and ``trajectories`` sections; ``synth``, when given, replaces the
+    former: a card's record of the recipe its policy was made with), built or reused under ``run.root``, and the
+    titles of the held-out split's entities. The committed policy's test rebuilds its probe with it."""
+    from osvl.config import upstream_config
     from osvl.synth import expert, pipeline
 
-    grpo = parse_args(GRPOConfig, GRPO_JOB, [f"--profile={grpo_profile}"])
-    scfg = upstream_config(pipeline.SynthConfig, pipeline.JOB, run, grpo.synth)
+    grpo = grpo_recipe(grpo_profile)
+    scfg = upstream_config(pipeline.SynthConfig, pipeline.JOB, run, grpo.synth if synth is None else synth)
     qdir, _ = pipeline.run(scfg)
     tcfg = upstream_config(expert.TrajConfig, expert.JOB, run, {
         "questions": str(qdir), "offer": list(grpo.rollout.offer), **grpo.trajectories,
         "split": split, "max_questions": n, "n_teacher_rollouts": 1, "tiny_kind": BASE_KIND})
     return expert.run(tcfg)[0] / "trajectories.parquet", pipeline.split_titles(scfg, "heldout")
+
+
+def grpo_recipe(grpo_profile: str) -> Any:
+    """The GRPO profile's config: its ``synth`` and ``trajectories`` sections are the demo's data recipe."""
+    from osvl.config import parse_args
+    from osvl.rl.job import GRPOConfig
+    from osvl.rl.trainer import JOB as GRPO_JOB
+
+    return parse_args(GRPOConfig, GRPO_JOB, [f"--profile={grpo_profile}"])
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -86,7 +95,8 @@ def main(argv: list[str] | None = None) -> dict:
               flush=True)
     if cfg.export_to:
         card = export(out / "model", input_path(cfg.export_to), probe, {
-            "grpo_profile": cfg.grpo_profile, "heldout_questions": cfg.probe_questions, "run": out.name,
+            "grpo_profile": cfg.grpo_profile, "synth": grpo_recipe(cfg.grpo_profile).synth,
+            "heldout_questions": cfg.probe_questions, "run": out.name,
             **{k: report[k] for k in ("rows", "tokens", "steps", "seconds", "val_loss", "heldout_turns")}})
         print(f"pretrain_tiny: exported float16 weights to {cfg.export_to} (held-out loss {card['heldout_loss']:.4f} "
               f"on the oracle's trajectories of {cfg.probe_questions} held-out questions)", flush=True)

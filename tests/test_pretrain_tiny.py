@@ -218,8 +218,10 @@ def test_the_committed_policy_reproduces_its_documented_heldout_loss(ray_cluster
     assert tok.get_vocab() == load_processor(tiny.tiny_checkpoint(pretrain.BASE_KIND)).tokenizer.get_vocab()
     model = load_model(pretrain.POLICY, dtype="float32", device="cpu").eval()
     path, held = demo_trajectories(RunConfig(root=str(tmp_path)), card["grpo_profile"], "heldout",
-                                   card["heldout_questions"])
+                                   card["heldout_questions"], card["synth"])
     rows = pretrain.corpus_rows(read_trajectories(path), tok, set(), 1 << 16)
     assert len(rows) >= 0.8 * card["heldout_questions"] and held  # the questions the oracle got right
     loss = pretrain.val_loss(model, rows, int(model.config.text_config.pad_token_id))
-    assert abs(loss - card["heldout_loss"]) < 1e-3, (loss, card["heldout_loss"])
+    # 3.0893 where it was exported, 3.0802 on another machine (2026-12-04, the exporting commit too; not pinned
+    # down, the rows are rebuilt through the real search); the SFT'd or a random policy misses by far more
+    assert abs(loss - card["heldout_loss"]) < 0.015, (loss, card["heldout_loss"])
