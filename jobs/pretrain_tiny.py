@@ -26,6 +26,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
+from osvl.errors import ConfigError  # noqa: E402
 from osvl.logs import start_job  # noqa: E402
 from osvl.models.pretrain import BASE_KIND, JOB, PretrainConfig, corpus_rows, export, train, turns_text  # noqa: E402
 
@@ -84,8 +85,10 @@ def main(argv: list[str] | None = None) -> dict:
         rows = corpus_rows(trajs, tok, held, cfg.max_len)
         # a row's answer is its last turn: a row cut at max_len never shows one (answers 0/96 at max_len 1024)
         n_cut = sum(len(r) > cfg.max_len for r in corpus_rows(trajs, tok, held, 1 << 16))
+        # the recipe as trained on: the profile may change before a later rerun exports this run
         report = train(cfg, rows, base, out, extra={"trajectories": str(tpath.parent), "heldout_entities": len(held),
-                                                 "rows_over_max_len": n_cut},
+                                                 "rows_over_max_len": n_cut,
+                                                 "synth": grpo_recipe(cfg.grpo_profile).synth},
                        probe=probe)
     print(f"pretrain_tiny: {report['rows']} rows ({report['tokens']:,} tokens; {len(held)} held-out entities cut "
           f"out; {n_cut} rows cut at max_len={cfg.max_len}), {cfg.steps} steps in {report['seconds'] / 60:.1f} min, "
@@ -94,8 +97,11 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"pretrain_tiny: held-out turns greedy decoding reproduces whole: {turns_text(report['heldout_turns'])}",
               flush=True)
     if cfg.export_to:
+        if "synth" not in report:
+            raise ConfigError(f"{out} was trained before its report recorded the data recipe; train it again "
+                              "(another --run.name) to export it")
         card = export(out / "model", input_path(cfg.export_to), probe, {
-            "grpo_profile": cfg.grpo_profile, "synth": grpo_recipe(cfg.grpo_profile).synth,
+            "grpo_profile": cfg.grpo_profile, "synth": report["synth"],
             "heldout_questions": cfg.probe_questions, "run": out.name,
             **{k: report[k] for k in ("rows", "tokens", "steps", "seconds", "val_loss", "heldout_turns")}})
         print(f"pretrain_tiny: exported float16 weights to {cfg.export_to} (held-out loss {card['heldout_loss']:.4f} "

@@ -39,7 +39,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import pyarrow as pa
@@ -78,9 +78,10 @@ class RewriterOptions:
     endpoint: EndpointConfig = opt(EndpointConfig(timeout_s=30.0, max_concurrency=8),
                                    "llm: the chat endpoint (max_concurrency is per synthesis worker).")
     temperature: float = opt(0.7, "llm: sampling temperature.")
-    key_case: str = opt("lower", "How the question spells the answer key: lower (\"the field of ...\", English) "
-                                 "or kg (as the KG stores it, \"the Field of ...\": the same tokens as the "
-                                 "\"Field: ...\" line the answer is read from, for a policy that copies by token).")
+    key_case: Literal["lower", "kg"] = opt(
+        "lower", "How the question spells the answer key: lower (\"the field of ...\", English) or kg (as the KG "
+        "stores it, \"the Field of ...\": the same tokens as the \"Field: ...\" line the answer is read from, for a "
+        "policy that copies by token).")
 
 
 @dataclass
@@ -140,8 +141,6 @@ def validate(cfg: SynthConfig) -> None:
     unknown = set(cfg.degrade.kinds) - set(UNDO_TOOL)
     if unknown or (cfg.degrade.share > 0 and not cfg.degrade.kinds):
         raise ConfigError(f"degrade.kinds must be a non-empty subset of {sorted(UNDO_TOOL)}, got {cfg.degrade.kinds}")
-    if cfg.rewriter.key_case not in ("lower", "kg"):
-        raise ConfigError(f"rewriter.key_case must be lower or kg, got {cfg.rewriter.key_case!r}")
     if cfg.rewriter.kind not in ("template", "llm"):
         raise ConfigError(f"rewriter.kind must be template or llm, got {cfg.rewriter.kind!r}")
     if cfg.rewriter.kind == "llm":
