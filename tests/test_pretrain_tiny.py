@@ -225,3 +225,24 @@ def test_the_committed_policy_reproduces_its_documented_heldout_loss(ray_cluster
     # 3.0893 where it was exported, 3.0802 on another machine (2026-12-04, the exporting commit too; not pinned
     # down, the rows are rebuilt through the real search); the SFT'd or a random policy misses by far more
     assert abs(loss - card["heldout_loss"]) < 0.015, (loss, card["heldout_loss"])
+
+
+def test_the_run_hash_follows_the_profiles_recipe_not_its_name(tmp_path):
+    """A finished pretraining run is reused by its config hash: a GRPO profile whose synth or trajectories
+    section changed must get a new run (before, the hash saw only the profile's name, and a rerun reused a
+    model pretrained on the old recipe); a copy under another name that changes only other sections reuses it."""
+    import yaml
+
+    from osvl.config import CONFIG_DIR, config_hash
+
+    demo = yaml.safe_load((CONFIG_DIR / "grpo" / "demo.yaml").read_text())
+    same = tmp_path / "renamed.yaml"
+    same.write_text(yaml.safe_dump({**demo, "rl": {**demo["rl"], "lr": 1e-6}}))
+    changed = tmp_path / "changed.yaml"
+    changed.write_text(yaml.safe_dump({**demo, "synth": {**demo["synth"], "rewriter": {"key_case": "lower"}}}))
+
+    def run_hash(profile: str) -> str:
+        return config_hash(pretrain.PretrainConfig(grpo_profile=profile))
+
+    assert run_hash(str(same)) == run_hash("demo")
+    assert run_hash(str(changed)) != run_hash("demo")

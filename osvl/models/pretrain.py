@@ -53,7 +53,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from osvl.config import RunConfig, opt
+from osvl.config import RunConfig, opt, profile_path
 from osvl.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -72,6 +72,19 @@ ANSWER = re.compile(r"<response>\s?(.+?)</response>")
 FIRST_ORDINARY = 300  # token ids below are bytes, special tokens and the most frequent merges: no copy spans
 
 
+def profile_recipe(grpo_profile: str) -> dict[str, Any]:
+    """What the run hash sees of ``grpo_profile``: its ``synth`` and ``trajectories`` sections as written.
+
+    The corpus is built from them, so a profile whose recipe changed must train a new run, not reuse
+    the one pretrained on the old recipe under the same name (and a renamed profile with the same
+    recipe reuses it).
+    """
+    import yaml
+
+    doc = yaml.safe_load(profile_path("grpo", grpo_profile).read_text()) or {}  # the GRPO job's profiles
+    return {"synth": doc.get("synth") or {}, "trajectories": doc.get("trajectories") or {}}
+
+
 @dataclass
 class PretrainConfig:
     """jobs/pretrain_tiny.py: LM-pretrain the tiny Qwen3-VL on oracle trajectories of the sft split."""
@@ -79,7 +92,8 @@ class PretrainConfig:
     run: RunConfig = opt(RunConfig, "Run root and seed (the seed also draws batches and the validation rows).")
     grpo_profile: str = opt("demo", "GRPO profile whose synth and trajectories sections give the data recipe "
                                     "(the policy is pretrained on the same kind of questions and turns it is "
-                                    "fine-tuned and trained on).")
+                                    "fine-tuned and trained on). The run hash covers those two sections, not "
+                                    "the name.", hash_as=profile_recipe)
     init: str = opt("", "Checkpoint to start from (an earlier run's model/, to continue on a changed corpus or "
                         "at another max_len); empty: the tiny model as built. Set embed_scale (refused on tied "
                         "embeddings), copy_steps and keyed_steps to 0 when the checkpoint has been through them.")
