@@ -53,6 +53,7 @@ def episodes(cfg: Any, model: Path, qdir: Path, rl_rows: list[dict], held_rows: 
     from osvl.agent.loop import run_episode
     from osvl.agent.reward import score_trajectory
     from osvl.agent.trajectory import png_bytes, question_images
+    from osvl.tools import text_search
     from osvl.tools.client import make_client
     from osvl.tools.registry import offered_tools
 
@@ -61,6 +62,7 @@ def episodes(cfg: Any, model: Path, qdir: Path, rl_rows: list[dict], held_rows: 
 
     async def go() -> tuple[list[list[Any]], list[Any]]:
         engine = make_engine(rc.engine, str(model), max_batch=rc.max_batch)
+        text_search.configure(rc.text_search)  # the rollouts' search engine, the one the SFT records show
         client, tools = make_client("inprocess"), offered_tools(rc.offer, rc.schemas)
         sem = asyncio.Semaphore(cfg.eval.concurrency)
 

@@ -233,11 +233,13 @@ def test_rule_judge_matches_scripts_without_spaces_per_character():
 @pytest.mark.slow
 def test_grpo_pass_at_1_and_sft_format_check_run_through_the_core(questions, monkeypatch, ray_cluster):
     import asyncio
+    import dataclasses
 
     import osvl.agent.evaluate as core
     from osvl.agent.loop import AgentConfig
     from osvl.models.tiny import tiny_checkpoint
     from osvl.rl.rollout import RolloutConfig, _eval_episodes, heldout_scores
+    from osvl.tools import text_search
     from osvl.train.format_check import first_turns, format_check
 
     qdir = questions
@@ -251,10 +253,17 @@ def test_grpo_pass_at_1_and_sft_format_check_run_through_the_core(questions, mon
 
     monkeypatch.setattr(core, "evaluate_item", counting)
     model = tiny_checkpoint("qwen3_vl")
-    cfg = RolloutConfig(offer=["image_search", "text_search"], agent=AgentConfig(max_turns=2, max_new_tokens=16))
+    # the rollouts' search settings (here: shorter snippets) are the ones the evaluation's tools search with
+    searching = text_search.DEFAULT.cfg
+    cfg = RolloutConfig(offer=["image_search", "text_search"], agent=AgentConfig(max_turns=2, max_new_tokens=16),
+                        text_search=dataclasses.replace(searching, snippet_chars=120))
     # heldout_scores runs its episodes in a Ray task (never the driver): the spy watches them in this process
-    assert asyncio.run(_eval_episodes(str(model), rows, str(qdir / "images"), cfg, 16, ("agentic", "direct"))) == {
-        "agentic": [0.0, 0.0], "direct": [0.0, 0.0]}
+    try:
+        assert asyncio.run(_eval_episodes(str(model), rows, str(qdir / "images"), cfg, 16,
+                                          ("agentic", "direct"))) == {"agentic": [0.0, 0.0], "direct": [0.0, 0.0]}
+        assert text_search.DEFAULT.cfg == cfg.text_search
+    finally:
+        text_search.configure(searching)
     assert sorted(m for m, _, _ in seen) == ["agentic", "agentic", "direct", "direct"]
     assert all(turns == 2 and sorted(names) == ["image_search", "text_search"] for _, turns, names in seen)
     # the untrained model never answers

@@ -131,3 +131,27 @@ def test_a_wrong_sub_job_entry_in_a_profile_fails_at_start(tmp_path):
     profile.write_text("sft:\n  data:\n    n_evl: 3\n")
     with pytest.raises(ConfigError, match=r"unknown config key 'sft\.data\.n_evl'"):
         _grpo_job().main([f"--profile={profile}", f"--run.root={tmp_path}"])
+
+
+def test_the_grpo_job_builds_its_records_with_the_rollouts_search_engine(tmp_path):
+    """The SFT records' observations must be what the rollouts' tools return for the same queries: records
+    searched by BM25 and rollouts re-ranked by MiniLM gave the demo policy other hits for the queries it was
+    taught (held-out Pass@1 0.10 instead of 0.27, docs/design.md)."""
+    from osvl.config import config_hash, upstream_config
+    from osvl.rl.job import records_config
+    from osvl.train import sft
+
+    cfg = parse_args(GRPOConfig, JOB, [f"--run.root={tmp_path}"])
+    scfg = upstream_config(sft.SftConfig, sft.JOB, cfg.run, cfg.sft)
+    tcfg = records_config(cfg, tmp_path, scfg)
+    assert tcfg.tools.text_search == cfg.rollout.text_search and not cfg.rollout.text_search.dense_rerank
+    assert tcfg.offer == cfg.rollout.offer == ["image_search", "text_search"]
+    # the committed base as the profile names it, not this checkout's absolute path: the records' run hash
+    # (and so the SFT run's) is the same in every clone and under `ray job submit --working-dir`
+    assert tcfg.model == "osvl/models/weights/tiny_policy"
+    reranked = parse_args(GRPOConfig, JOB, [f"--run.root={tmp_path}", "--rollout.text_search.dense_rerank=true"])
+    other = records_config(reranked, tmp_path, scfg)
+    assert other.tools.text_search.dense_rerank and config_hash(other) != config_hash(tcfg)
+    cfg.trajectories["tools"] = {"text_search": {"dense_rerank": True}}
+    with pytest.raises(ConfigError, match="set rollout.text_search"):
+        records_config(cfg, tmp_path, scfg)

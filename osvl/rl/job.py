@@ -7,6 +7,7 @@ held-out Pass@1 after SFT and after GRPO and the summary (``osvl.rl.report``).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
@@ -16,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from osvl.config import RunConfig, opt
+from osvl.errors import ConfigError
 from osvl.logs import Progress
 from osvl.rl import checkpoint as ckpt
 from osvl.rl.learner import RLConfig
@@ -82,12 +84,8 @@ def prepare(cfg: GRPOConfig, log: Callable[[str], None] = logger.info) -> tuple[
     from osvl.synth import expert
     from osvl.train import sft
 
-    # the teacher's records must show the policy the tools it will be offered in RL (the system
-    # prompt is part of every SFT row), so rollout.offer is the trajectories job's default
     scfg = upstream_config(sft.SftConfig, sft.JOB, cfg.run, cfg.sft)
-    tcfg = upstream_config(expert.TrajConfig, expert.JOB, cfg.run,
-                           {"questions": str(qdir), "offer": list(cfg.rollout.offer), **sft.student(scfg),
-                            **cfg.trajectories})
+    tcfg = records_config(cfg, qdir, scfg)
     tdir, _ = expert.run(tcfg, log=log)
     scfg = merge_data(scfg, tdir, qdir)
     from osvl.config import run_dir
@@ -98,6 +96,25 @@ def prepare(cfg: GRPOConfig, log: Callable[[str], None] = logger.info) -> tuple[
         log(f"sft: reusing {model}")
         return qdir, model.resolve()
     return qdir, Path(sft.run(scfg, log=log)["model"]).resolve()
+
+
+def records_config(cfg: GRPOConfig, qdir: Path, scfg: Any) -> Any:
+    """The trajectories job's config for the records the policy is SFT'd on: the environment the policy will
+    meet in RL and evaluation. Every SFT row starts with the system prompt, which lists the offered tools,
+    so the records offer ``rollout.offer``; the records' observations must be the ones the rollouts' tools
+    return for the same queries, so they search with ``rollout.text_search``."""
+    from osvl.config import upstream_config
+    from osvl.synth import expert
+    from osvl.train import sft
+
+    if "text_search" in cfg.trajectories.get("tools", {}):
+        raise ConfigError("set rollout.text_search, not trajectories.tools.text_search: the records and the "
+                          "rollouts must show one search engine, so the GRPO job hands the rollouts' to its records")
+    tcfg = upstream_config(expert.TrajConfig, expert.JOB, cfg.run,
+                           {"questions": str(qdir), "offer": list(cfg.rollout.offer), **sft.student(scfg),
+                            **cfg.trajectories})
+    tcfg.tools.text_search = dataclasses.replace(cfg.rollout.text_search)
+    return tcfg
 
 
 def merge_data(scfg: Any, tdir: Path, qdir: Path) -> Any:

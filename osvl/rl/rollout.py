@@ -39,6 +39,7 @@ from osvl.agent.loop import AgentConfig
 from osvl.agent.reward import RewardConfig
 from osvl.config import opt
 from osvl.endpoint import EndpointConfig
+from osvl.tools.text_search import AGENT_ENVIRONMENT, TextSearchConfig
 
 
 @dataclass
@@ -61,6 +62,10 @@ class RolloutConfig:
     schemas: str = opt("", "JSON file with the tool schemas to show the policy (a list of OpenAI-style function "
                            "schemas, e.g. the shorter descriptions a model was fine-tuned with); empty = the "
                            "registry's. Calls still run the registered tools.")
+    text_search: TextSearchConfig = opt(AGENT_ENVIRONMENT, "text_search's settings for in-process tools (rollouts "
+                                        "and held-out evaluation): those the SFT records were made with, which "
+                                        "the GRPO job hands to the trajectories job it runs. With tools=handle the "
+                                        "Serve app's settings apply (serve/).")
     tool_latency_s: float = opt(0.0, "Extra simulated latency added to every tool call (benchmarks), seconds.")
     agent: AgentConfig = opt(AgentConfig, "Budgets and fatal-step rules of every episode (the section the "
                              "trajectories job's agent: is).")
@@ -125,8 +130,11 @@ class RolloutWorker:
         self._engine_seen: dict[str, int] = {}
 
     def _client(self):
+        from osvl.tools import text_search
         from osvl.tools.client import MeteredClient, make_client
 
+        if self.cfg.tools == "inprocess":
+            text_search.configure(self.cfg.text_search)
         client = make_client(self.cfg.tools)
         if self.cfg.tool_latency_s > 0 or self.rec is not None:
             client = MeteredClient(client, self.cfg.tool_latency_s, self.rec)
@@ -288,10 +296,12 @@ async def _eval_episodes(model_dir: str, questions: list[dict[str, Any]], image_
     from osvl.agent.engines import make_engine
     from osvl.agent.evaluate import evaluate_item
     from osvl.agent.trajectory import question_images
+    from osvl.tools import text_search
     from osvl.tools.client import make_client
     from osvl.tools.registry import offered_tools
 
     engine = make_engine(cfg.engine, model_dir, max_batch=cfg.max_batch)
+    text_search.configure(cfg.text_search)
     client = make_client("inprocess")
     tools = offered_tools(cfg.offer, cfg.schemas)
     agent = cfg.episode_agent(greedy=True)

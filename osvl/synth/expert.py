@@ -53,10 +53,11 @@ from osvl import storage
 from osvl.agent.loop import AgentConfig
 from osvl.agent.reward import RewardConfig
 from osvl.agent.teacher import OracleConfig
-from osvl.config import RunConfig, from_dict, opt, run_dir, to_dict
+from osvl.config import RunConfig, from_dict, input_path, opt, run_dir, to_dict
 from osvl.endpoint import EndpointConfig
 from osvl.errors import ConfigError, DataError, EndpointUnavailable
 from osvl.models.tiny import checkpoint_name
+from osvl.tools.text_search import AGENT_ENVIRONMENT, TextSearchConfig
 
 logger = logging.getLogger(__name__)
 
@@ -73,9 +74,9 @@ class TeacherOptions:
 
 @dataclass
 class ToolOptions:
-    dense_rerank: bool = opt(False, "text_search's MiniLM re-rank of the BM25 hits. Off by default here: it costs "
-                                    "CPU per query and the oracle's queries find their entity without it.")
-    snippet_chars: int = opt(300, "Characters of passage text_search shows per hit (the tool's default).")
+    text_search: TextSearchConfig = opt(AGENT_ENVIRONMENT, "text_search's settings: the search engine the "
+                                        "records show, which the policy's rollouts and evaluation must use too "
+                                        "(the GRPO job passes its rollout.text_search here).")
     cache: str = opt("replay", "Tool record/replay cache mode (osvl.tools.cache): the rollouts of one question "
                                "run one after another, so the later ones replay the first one's image search.",
                      hashed=False)
@@ -186,14 +187,13 @@ class ShardWorker:
         self.cfg = from_dict(TrajConfig, cfg)
         # locations, not paths: this node may hold no copy of either folder yet
         self.qdir, self.out = storage.attach(qdir), storage.attach(out_dir)
-        model = self.cfg.model
+        model = str(input_path(self.cfg.model)) if self.cfg.model else ""
         if not model:
             from osvl.models.tiny import tiny_checkpoint
 
             model = str(tiny_checkpoint(self.cfg.tiny_kind))
         self.processor = load_processor(model)
-        text_search.configure(text_search.TextSearchConfig(dense_rerank=self.cfg.tools.dense_rerank,
-                                                           snippet_chars=self.cfg.tools.snippet_chars))
+        text_search.configure(self.cfg.tools.text_search)
         tools = all_tools()
         unknown = sorted(set(self.cfg.offer) - set(tools))
         if unknown:

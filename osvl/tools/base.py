@@ -211,7 +211,8 @@ class LazyBackend:
 
     def configure(self, cfg: Any) -> None:
         with self._lock:
-            self.cfg, self._obj = cfg, None
+            if cfg != self.cfg:  # the same settings again keep the built backend (every evaluation task sets them)
+                self.cfg, self._obj = cfg, None
 
     def backend_id(self) -> str:
         import dataclasses

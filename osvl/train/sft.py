@@ -101,9 +101,9 @@ class SftConfig:
 def student(cfg: SftConfig) -> dict[str, str]:
     """The trajectories-job overrides that render its records with this run's tokenizer: the records' token
     ids are what SFT trains on, and another tokenizer's ids are other words (``check_tokenizer``)."""
-    from osvl.config import input_path
-
-    return {"model": str(input_path(cfg.model))} if cfg.model else {"tiny_kind": cfg.tiny_kind}
+    # as written, not resolved: a checkout's absolute path in the trajectories run's hash would make
+    # every clone (and every `ray job submit --working-dir`, unpacked elsewhere) rebuild the records and SFT
+    return {"model": cfg.model} if cfg.model else {"tiny_kind": cfg.tiny_kind}
 
 
 def resolve_data(cfg: SftConfig, out: Path, model_dir: str) -> Path:
