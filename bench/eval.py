@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> None:
     n, inflight = int(args.get("items", 32)), int(args.get("inflight", 32))
     latency = float(args.get("latency", 0.2))
     torch.set_num_threads(int(args.get("threads", 1)))
-    cfg = EvalConfig(model="tiny-agent", modes=["agentic"], tool_cache="off", dense_rerank=False,
+    cfg = EvalConfig(model="tiny-agent", modes=["agentic"], tool_cache="off",
                      tool_latency_s=latency, max_batch=32)
     cfg.agent.max_new_tokens = 96
     with tempfile.TemporaryDirectory() as tmp:

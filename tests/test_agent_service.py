@@ -143,7 +143,7 @@ def test_the_eval_job_scores_the_service_as_an_openai_model(agent, tmp_path, mon
     monkeypatch.setenv("AGENT_KEY", TOKEN)
     summary = main([f"--run.root={tmp_path / 'runs'}", f"--benchmarks={tmp_path / 'b.jsonl'}",
                     "--modes=direct,agentic", "--model=openai:osvl-agent", f"--endpoint.base_url={agent}/v1",
-                    "--endpoint.api_key_env=AGENT_KEY", "--dense_rerank=false"])
+                    "--endpoint.api_key_env=AGENT_KEY", "--text_search.dense_rerank=false"])
     modes = summary["benchmarks"]["b"]["modes"]
     # the service answered every request (an engine error would be a failure of kind engine_error)
     assert all(t["items"] == 1 and "engine_error" not in t["failures"] for t in modes.values()), modes
