@@ -508,17 +508,16 @@ def _build_default(cfg: TextSearchConfig) -> Any:
 
 DEFAULT = LazyBackend(_build_default, TextSearchConfig())
 configure = DEFAULT.configure  # set the default backend's config (dropping one already built, if it differs)
+default_backend_id = DEFAULT.backend_id  # the record/replay cache key part for calls without a backend
+default_backend = DEFAULT.get
 
 AGENT_ENVIRONMENT = TextSearchConfig(dense_rerank=False)
 """The default search settings of the agent's environment: the trajectories job's records, the GRPO
 rollouts and the held-out evaluation, which must all see one search engine (the GRPO job hands its
-``rollout.text_search`` to the trajectories job it runs). BM25 only: the oracle writes its queries as
-the question's clauses verbatim, which BM25 ranks first, and the re-rank costs CPU on every query.
-When the rollouts re-ranked and the records did not, the SFT'd demo policy wrote the demonstrated
-queries and read other hits: held-out Pass@1 0.10 instead of 0.27 (docs/design.md, "One search
-engine for records, rollouts and evaluation")."""
-default_backend_id = DEFAULT.backend_id  # the record/replay cache key part for calls without a backend
-default_backend = DEFAULT.get
+``rollout.text_search`` to the trajectories job it runs), or a policy that writes the demonstrated
+queries reads other hits than it was shown (docs/design.md, "One search engine for records, rollouts
+and evaluation"). BM25 only: the oracle writes its queries as the question's clauses verbatim, which
+BM25 ranks first, and the re-rank costs CPU on every query."""
 
 
 def format_hits(query: str, hits: list[TextHit]) -> str:
