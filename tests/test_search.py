@@ -290,6 +290,31 @@ def test_index_is_cached_on_disk_by_content(tmp_path, monkeypatch, kg_entities):
     assert len(list((tmp_path / "cache" / "text_index").iterdir())) == 3
 
 
+def test_configuring_the_same_search_settings_again_keeps_the_built_index(tmp_path, kg_entities):
+    """Every rollout actor and evaluation task sets the search settings before its episodes: the same
+    settings must not throw away (and rebuild) the index the process already holds; other ones must."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from osvl.tools.base import LazyBackend
+
+    kg = tmp_path / "kg"
+    kg.mkdir()
+    pq.write_table(pa.Table.from_pylist([e for e in kg_entities if e["text"]][:50]), kg / "entities.parquet")
+    built: list[TextSearchConfig] = []
+
+    def build(cfg: TextSearchConfig) -> TextIndex:
+        built.append(cfg)
+        return build_text_index(kg, cfg=cfg)
+
+    backend = LazyBackend(build, TextSearchConfig(dense_rerank=False))
+    first = backend.get()
+    backend.configure(TextSearchConfig(dense_rerank=False))  # equal settings, another object
+    assert backend.get() is first and len(built) == 1
+    backend.configure(TextSearchConfig(dense_rerank=False, snippet_chars=120))
+    assert backend.get() is not first and [c.snippet_chars for c in built] == [300, 120]
+
+
 @pytest.mark.slow
 def test_dense_rerank_is_at_least_as_good_as_bm25(small_index):
     """MiniLM re-rank of the 10 best entities, on 40 descriptions of the 300-entity index."""
