@@ -136,7 +136,7 @@ def test_a_wrong_sub_job_entry_in_a_profile_fails_at_start(tmp_path):
 def test_the_grpo_job_builds_its_records_with_the_rollouts_search_engine(tmp_path):
     """The SFT records' observations must be what the rollouts' tools return for the same queries: records
     searched by BM25 and rollouts re-ranked by MiniLM gave the demo policy other hits for the queries it was
-    taught (held-out Pass@1 0.10 instead of 0.27, docs/design.md)."""
+    taught (docs/design.md, "One search engine for records, rollouts and evaluation")."""
     from osvl.config import config_hash, upstream_config
     from osvl.rl.job import records_config
     from osvl.train import sft
