@@ -120,7 +120,7 @@ def main() -> None:
     from osvl.models.load import load_model, load_processor
     from osvl.rl.job import JOB, GRPOConfig, prepare
     from osvl.rl.learner import Learner, make_engine
-    from osvl.rl.learner_loop import rl_batch
+    from osvl.rl.learner_loop import reference_model, rl_batch
     from osvl.rl.trainer import heldout_questions, read_questions
 
     args = sys.argv[1:]
@@ -150,11 +150,7 @@ def main() -> None:
     torch.manual_seed(cfg.run.seed)
     temperature = cfg.rollout.agent.temperature
     processor = load_processor(model_dir)
-    ref = None
-    if cfg.rl.beta > 0:
-        ref = load_model(model_dir, dtype="float32").eval()
-        for p in ref.parameters():
-            p.requires_grad_(False)
+    ref = reference_model(model_dir, cfg.rl)
     learner = Learner(make_engine(load_model(model_dir, dtype="float32"), cfg.rl), cfg.rl, ref_model=ref,
                       temperature=temperature)
     rows = []

@@ -73,6 +73,18 @@ def rl_batch(groups: Sequence[Sequence[Any]], image_dir: str, processor: Any, cf
     return batch
 
 
+def reference_model(model_dir: Any, cfg: RLConfig) -> torch.nn.Module | None:
+    """The frozen starting policy the KL term compares against; None when ``cfg.beta`` is 0 (no KL term)."""
+    from osvl.models.load import load_model
+
+    if cfg.beta <= 0:
+        return None
+    ref = load_model(model_dir, dtype="float32").eval()
+    for p in ref.parameters():
+        p.requires_grad_(False)
+    return ref
+
+
 def train_loop(config: dict[str, Any]) -> None:
     """The Ray Train worker function: take a step's groups, update, publish, checkpoint; repeat.
 
@@ -108,11 +120,7 @@ def train_loop(config: dict[str, Any]) -> None:
     ckpt_root, log_path = run_folder / "checkpoints", run_folder / "steps.jsonl"
     model = load_model(model_dir, dtype="float32")
     processor = load_processor(model_dir)
-    ref = None
-    if cfg.beta > 0:
-        ref = load_model(model_dir, dtype="float32").eval()
-        for p in ref.parameters():
-            p.requires_grad_(False)
+    ref = reference_model(model_dir, cfg)
     engine = make_engine(model, cfg, zero_stage=config["zero_stage"], world=world)
     learner = Learner(engine, cfg, ref_model=ref, temperature=config["temperature"])
     buffer, store = config["buffer"], config["store"]
