@@ -153,6 +153,10 @@ RL_WEIGHT_SYNC = _define(
     (), (0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0))
 RL_BUFFER_DEPTH = _define(
     "osvl_rl_buffer_depth_groups", "gauge", "Finished groups waiting in the trajectory buffer.")
+RL_RESAMPLED = _define(
+    "osvl_rl_resampled_groups", "gauge",
+    "Groups thrown away so far because every sample had the same accuracy, their slots re-issued with the next "
+    "question (train.resample_flat).")
 RL_SKIPPED = _define(
     "osvl_rl_skipped_steps", "counter", "Learner steps skipped because the loss or a gradient was not finite.")
 

@@ -12,11 +12,12 @@ from osvl.agent.trajectory import Trajectory, Turn
 from osvl.rl.buffer import TrajectoryBuffer
 
 
-def _group(work, version: int, n: int = 2, judge: str = "ok") -> list[Trajectory]:
+def _group(work, version: int, n: int = 2, judge: str = "ok", accs: tuple[float, ...] = ()) -> list[Trajectory]:
     return [Trajectory(id=f"{work.group_id}-{i}", question_id=str(work.question_index), group_id=work.group_id,
                        kind="policy", question="q", answer="a", answer_aliases=[], input_ids=[1, 2], gen_mask=[0, 1],
                        logprobs=[0.0, -1.0], step_ids=[-1, 0], images=[], image_max_pixels=[], processor={},
-                       turns=[Turn(index=0, text="t", action="response", policy_version=version)], judge_status=judge)
+                       turns=[Turn(index=0, text="t", action="response", policy_version=version)], judge_status=judge,
+                       r_acc=accs[i] if accs else 0.0)
             for i in range(n)]
 
 
@@ -114,7 +115,52 @@ def test_state_round_trip_reissues_what_was_in_flight():
     assert sorted(b.question_of(n) for n in range(7)) == list(range(7))  # one epoch visits each question once
 
 
-@pytest.mark.parametrize("bad", [dict(n_questions=0, groups_per_step=1), dict(n_questions=1, groups_per_step=0)])
+def test_flat_groups_are_redrawn_with_the_next_question_up_to_resample_flat_times():
+    async def go():
+        b = TrajectoryBuffer(n_questions=6, groups_per_step=2, total_steps=2, max_staleness=0, seed=5,
+                             resample_flat=2, max_attempts=2)
+        w0, w1 = await b.acquire("a"), await b.acquire("a")
+        assert [w0.question_index, w1.question_index] == [b.question_of(0), b.question_of(1)]
+        assert await b.put("a", w0.slot, 0, _group(w0, 0, accs=(1.0, 0.0))) == "ready"  # a signal: trained
+        assert await b.put("a", w1.slot, 0, _group(w1, 0, accs=(0.0, 0.0))) == "resampled"
+        r1 = await b.acquire("a")
+        assert (r1.slot, r1.attempt, r1.question_index) == (w1.slot, 1, b.question_of(2))
+        # a death after a resample is the slot's first death: max_attempts (2) does not drop it yet
+        assert await b.release_actor("a", "actor died") == [w1.slot]
+        r2 = await b.acquire("b")
+        assert (r2.slot, r2.attempt, r2.question_index) == (w1.slot, 2, b.question_of(2))
+        assert await b.put("b", r2.slot, 2, _group(r2, 0, accs=(1.0, 1.0))) == "resampled"
+        r3 = await b.acquire("b")
+        assert r3.question_index == b.question_of(3)
+        st = b.state()  # resume in flight: the slot keeps its third question and its resample count
+        r = TrajectoryBuffer.from_state(st)
+        assert (r.next_question, r.resampled) == (4, 2)
+        r4 = await r.acquire("c")
+        assert (r4.slot, r4.question_index) == (w1.slot, b.question_of(3))
+        assert await r.put("c", r4.slot, r4.attempt, _group(r4, 0, accs=(0.0, 0.0))) == "ready"  # 2 redraws spent
+        groups = await r.take(0)
+        await r.advance(1)
+        nxt = await r.acquire("c")
+        return r, groups, nxt
+
+    r, groups, nxt = run(go())
+    assert len(groups) == 2 and nxt.question_index == r.question_of(4)  # the cursor moved past the redrawn ones
+    assert r.stats()["resampled"] == 2 and r.ledger()["g1"]["resamples"] == 2
+    assert sum(e.startswith("resample g1") for e in r.events()) == 2
+
+
+def test_without_resampling_flat_groups_train_and_slot_n_gets_order_n():
+    async def go():
+        b = TrajectoryBuffer(n_questions=4, groups_per_step=1, total_steps=3, max_staleness=2, seed=1)
+        ws = [await b.acquire("a") for _ in range(3)]
+        return b, ws, [await b.put("a", w.slot, 0, _group(w, 0, accs=(0.0, 0.0))) for w in ws]
+
+    b, ws, status = run(go())
+    assert status == ["ready"] * 3 and [w.question_index for w in ws] == [b.question_of(n) for n in range(3)]
+
+
+@pytest.mark.parametrize("bad", [dict(n_questions=0, groups_per_step=1), dict(n_questions=1, groups_per_step=0),
+                                 dict(n_questions=1, groups_per_step=1, resample_flat=-1)])
 def test_bad_sizes(bad):
     with pytest.raises(ValueError):
         TrajectoryBuffer(total_steps=1, **bad)

@@ -1,12 +1,21 @@
 """The trajectory buffer: issues group slots to rollout actors, admits finished groups, hands steps to the learner.
 
 Slots. The run is a sequence of *group slots* n = 0, 1, 2, ...; slot n belongs to
-learner step ``n // groups_per_step`` and asks for G samples of question
-``order[n]`` (the data cursor: a seeded permutation per epoch over the RL
+learner step ``n // groups_per_step`` and asks for G samples of the next question
+of ``order`` (the data cursor: a seeded permutation per epoch over the RL
 questions). A slot's group id is ``g<n>``; it is issued, then either consumed by
 exactly one learner step or dropped with a logged reason, never both and never
 twice (the ledger enforces it, and a late duplicate from a presumed-dead actor is
 refused).
+
+Flat groups (``resample_flat``). A group whose samples all have the same accuracy
+(all wrong or all right) carries no answer signal: its advantages rank format and
+query quality only. With ``resample_flat`` k > 0 such a group is thrown away and its
+slot re-issued with the cursor's next question, up to k times; the k-th flat group
+is trained as it is, so a step never waits for ever. This is DAPO's dynamic
+sampling on the accuracy instead of the reward (the reward of a flat group still
+varies with r_query); k = 0 (the default) trains every group, as the paper does.
+Without resampling, slot n gets ``order[n]``.
 
 Staleness, docs/design.md: a group trains step s only if the oldest policy
 version among its turns is >= s - max_staleness. The buffer makes this hold by
@@ -52,7 +61,7 @@ class Work:
     step: int           # the learner step that will consume it
     min_version: int    # the actor must generate with weights of at least this version
     seed: int           # sampling seed of the group (sample i uses seed + i)
-    attempt: int = 0    # how many times this slot was issued before (re-issue after a dead actor)
+    attempt: int = 0    # how many times this slot was issued before (re-issue after a dead actor or a flat group)
 
 
 @dataclass
@@ -63,19 +72,23 @@ class _Slot:
     reason: str = ""
     group: list[Any] = field(default_factory=list)
     staleness: int = 0
+    resamples: int = 0             # flat groups thrown away (their re-issues are not deaths: max_attempts)
 
 
 class TrajectoryBuffer:
     """Issue/admit/consume ledger of group slots with the staleness gate (see the module docstring)."""
 
     def __init__(self, n_questions: int, groups_per_step: int, total_steps: int, max_staleness: int = 1,
-                 seed: int = 0, max_attempts: int = 3) -> None:
-        if n_questions < 1 or groups_per_step < 1:
-            raise ValueError("the buffer needs >= 1 question and >= 1 group per step")
+                 seed: int = 0, max_attempts: int = 3, resample_flat: int = 0) -> None:
+        if n_questions < 1 or groups_per_step < 1 or resample_flat < 0:
+            raise ValueError("the buffer needs >= 1 question, >= 1 group per step and resample_flat >= 0")
         self.n_questions, self.gps, self.total_steps = n_questions, groups_per_step, total_steps
         self.max_staleness, self.seed, self.max_attempts = max_staleness, seed, max_attempts
+        self.resample_flat = resample_flat
         self.version = 0            # latest policy version the learner published
-        self.next_slot = 0          # the data cursor: next never-issued slot
+        self.next_slot = 0          # next never-issued slot
+        self.next_question = 0      # the data cursor: position in order (= next_slot unless groups were resampled)
+        self.resampled = 0          # flat groups thrown away
         self.slots: dict[int, _Slot] = {}
         self.reissue: deque[int] = deque()   # slots whose actor died, issued again first
         self.log: list[str] = []             # drops and re-issues, human-readable, checkpointed
@@ -88,15 +101,20 @@ class TrajectoryBuffer:
 
     # -- data cursor -------------------------------------------------------
 
-    def question_of(self, slot: int) -> int:
-        """order[slot]: epoch e is a permutation seeded by (seed, e), so the cursor is one integer."""
-        epoch, i = divmod(slot, self.n_questions)
+    def question_of(self, position: int) -> int:
+        """order[position]: epoch e is a permutation seeded by (seed, e), so the cursor is one integer."""
+        epoch, i = divmod(position, self.n_questions)
         perm = np.random.default_rng([self.seed, epoch]).permutation(self.n_questions)
         return int(perm[i])
 
-    def _work(self, slot: int, attempt: int = 0) -> Work:
+    def _next_question(self) -> int:
+        q = self.question_of(self.next_question)
+        self.next_question += 1
+        return q
+
+    def _work(self, slot: int, question: int, attempt: int = 0) -> Work:
         step = slot // self.gps
-        return Work(slot=slot, group_id=f"g{slot}", question_index=self.question_of(slot), step=step,
+        return Work(slot=slot, group_id=f"g{slot}", question_index=question, step=step,
                     min_version=max(0, step - self.max_staleness),
                     seed=int(np.random.default_rng([self.seed, slot, 7]).integers(2**31)), attempt=attempt)
 
@@ -124,13 +142,13 @@ class TrajectoryBuffer:
                 if self.reissue:
                     slot = self.reissue.popleft()
                     s = self.slots[slot]
-                    s.work = self._work(slot, s.work.attempt + 1)
+                    s.work = self._work(slot, s.work.question_index, s.work.attempt + 1)
                     s.state, s.actor = "issued", actor
                     return s.work
                 if self.next_slot >= self.total_steps * self.gps:
                     return None
                 if self._issuable(self.next_slot):
-                    w = self._work(self.next_slot)
+                    w = self._work(self.next_slot, self._next_question())
                     self.slots[w.slot] = _Slot(work=w, actor=actor)
                     self.next_slot += 1
                     return w
@@ -172,6 +190,16 @@ class TrajectoryBuffer:
                               + (f" ({why.removeprefix('judge_failed:')[:200]})" if why else ""))
             elif not group:
                 self._drop(s, "empty group")
+            elif s.resamples < self.resample_flat and len({tr.r_acc for tr in group}) == 1:
+                s.resamples += 1
+                self.resampled += 1
+                old, s.work.question_index = s.work.question_index, self._next_question()
+                s.actor = ""
+                self.reissue.append(slot)
+                self.log.append(f"resample g{slot} ({s.resamples}/{self.resample_flat}): every sample's accuracy "
+                                f"{group[0].r_acc:g} on question {old}, next question {s.work.question_index}")
+                self.cond.notify_all()
+                return "resampled"
             else:
                 s.state, s.group = "ready", list(group)
             self.cond.notify_all()
@@ -184,7 +212,7 @@ class TrajectoryBuffer:
             out = []
             for slot, s in sorted(self.slots.items()):
                 if s.state == "issued" and s.actor == actor:
-                    if s.work.attempt + 1 >= self.max_attempts:
+                    if s.work.attempt - s.resamples + 1 >= self.max_attempts:
                         self._drop(s, f"attempts: {self.max_attempts} actors died holding it ({reason})")
                     else:
                         s.actor = ""
@@ -262,14 +290,15 @@ class TrajectoryBuffer:
         stale = Counter(s.staleness for s in self.slots.values() if s.state in ("ready", "consumed"))
         return {"version": self.version, "issued_total": self.next_slot, "ready": states["ready"],
                 "in_flight": states["issued"], "consumed": states["consumed"], "dropped": states["dropped"],
-                "reissue_queue": len(self.reissue), "staleness": dict(sorted(stale.items())),
+                "reissue_queue": len(self.reissue), "resampled": self.resampled,
+                "staleness": dict(sorted(stale.items())),
                 "dropped_by_reason": dict(Counter(s.reason.split(":")[0] for s in self.slots.values()
                                                   if s.state == "dropped"))}
 
     def ledger(self) -> dict[str, dict[str, Any]]:
         """Every issued group id with its state, owner, attempts and drop reason (the exactly-once audit)."""
         return {s.work.group_id: {"state": s.state, "actor": s.actor, "attempt": s.work.attempt,
-                                  "reason": s.reason, "step": s.work.step}
+                                  "resamples": s.resamples, "reason": s.reason, "step": s.work.step}
                 for s in self.slots.values()}
 
     def events(self) -> list[str]:
@@ -279,13 +308,16 @@ class TrajectoryBuffer:
         """Everything needed to resume; slots in flight are recorded as such and re-issued by ``from_state``."""
         return {"n_questions": self.n_questions, "gps": self.gps, "total_steps": self.total_steps,
                 "max_staleness": self.max_staleness, "seed": self.seed, "max_attempts": self.max_attempts,
-                "version": self.version, "next_slot": self.next_slot, "log": list(self.log),
+                "resample_flat": self.resample_flat, "version": self.version, "next_slot": self.next_slot,
+                "next_question": self.next_question, "resampled": self.resampled, "log": list(self.log),
                 "slots": {n: {"work": s.work, "state": s.state, "actor": s.actor, "reason": s.reason,
-                              "group": s.group, "staleness": s.staleness} for n, s in self.slots.items()}}
+                              "group": s.group, "staleness": s.staleness, "resamples": s.resamples}
+                          for n, s in self.slots.items()}}
 
     @classmethod
     def from_state(cls, st: dict[str, Any], total_steps: int | None = None) -> TrajectoryBuffer:
-        b = cls(st["n_questions"], st["gps"], st["total_steps"], st["max_staleness"], st["seed"], st["max_attempts"])
+        b = cls(st["n_questions"], st["gps"], st["total_steps"], st["max_staleness"], st["seed"], st["max_attempts"],
+                st.get("resample_flat", 0))
         b.load_state(st, total_steps)
         return b
 
@@ -297,10 +329,12 @@ class TrajectoryBuffer:
                 raise ValueError(f"checkpoint buffer has {key}={st[key]}, this run {mine}: resume needs the same")
         self.total_steps = total_steps or st["total_steps"]
         self.version, self.next_slot, self.log = st["version"], st["next_slot"], list(st["log"])
+        # checkpoints written before resampling existed: the cursor was the slot
+        self.next_question, self.resampled = st.get("next_question", self.next_slot), st.get("resampled", 0)
         self.slots, self.reissue, self.taken = {}, deque(), {}
         for n, d in sorted(st["slots"].items()):
             s = _Slot(work=d["work"], state=d["state"], actor=d["actor"], reason=d["reason"], group=d["group"],
-                      staleness=d["staleness"])
+                      staleness=d["staleness"], resamples=d.get("resamples", 0))
             self.slots[n] = s
             if s.state == "issued":
                 s.actor = ""

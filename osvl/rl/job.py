@@ -175,7 +175,7 @@ def run(cfg: GRPOConfig, log: Callable[[str], None] = logger.info) -> dict[str, 
     held = heldout_report(heldout, before, after)
     st = res["buffer"]
     summary.update(held, seconds=time.perf_counter() - t0, train_s=res["seconds"],
-                   issued=st["issued_total"], consumed=st["consumed"], dropped=st["dropped"],
+                   issued=st["issued_total"], consumed=st["consumed"], dropped=st["dropped"], resampled=st["resampled"],
                    restarts=res["restarts"], resumed_from=res["resumed_from"], mode=cfg.rl.mode, out=str(out))
     drops = [e for e in res["events"] if e.startswith("dropped")]
     log(f"\ngrpo summary ({cfg.rl.mode}): {summary['steps']} steps in {res['seconds']:.0f} s "
@@ -191,7 +191,8 @@ def run(cfg: GRPOConfig, log: Callable[[str], None] = logger.info) -> dict[str, 
         + (f" ({summary['clamped_share']:.1%} / {1 - summary['clamped_share']:.1%})"
            if summary["clamped"] + summary["kept_positive"] else "")
         + f"; mean fatal rate {summary['fatal_rate']:.2f}")
-    log(f"  groups: {st['issued_total']} issued, {st['consumed']} trained, {st['dropped']} dropped"
+    log(f"  groups: {st['issued_total']} issued, {st['consumed']} trained, {st['dropped']} dropped, "
+        f"{st['resampled']} flat ones re-drawn"
         + (f" ({'; '.join(drops[:3])})" if drops else "") + f"; staleness of trained groups {st['staleness']}; "
         f"{len(res['restarts'])} rollout-actor restarts; {summary['skipped']} non-finite steps skipped")
     log(held_line(held))

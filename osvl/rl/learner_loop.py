@@ -215,7 +215,8 @@ def step_row(step: int, groups: Sequence[Sequence[Any]], res: StepResult | None,
         "accuracy": sum(t.r_acc >= 1.0 for t in trajs) / n, "fatal_rate": len(fatal) / n,
         "turns": sum(len(t.turns) for t in trajs) / n, "wait_s": wait_s, "weight_sync_s": sync_s,
         "buffer_ready": buffer_stats["ready"], "in_flight": buffer_stats["in_flight"],
-        "dropped": buffer_stats["dropped"], "staleness": buffer_stats["staleness"],
+        "dropped": buffer_stats["dropped"], "resampled": buffer_stats["resampled"],
+        "staleness": buffer_stats["staleness"],
         "versions": sorted({t.policy_version for tr in trajs for t in tr.turns}),
         "group_ids": sorted({t.group_id for t in trajs}),
     }
@@ -246,6 +247,7 @@ def record_metrics(rec: Any, row: Mapping[str, Any], steps: int) -> None:
         rec.set(M.RL_ACCURACY, row["accuracy"])
         rec.set(M.RL_FATAL_RATE, row["fatal_rate"])
     rec.set(M.RL_BUFFER_DEPTH, row["buffer_ready"])
+    rec.set(M.RL_RESAMPLED, row["resampled"])
     rec.observe(M.RL_WEIGHT_SYNC, row["weight_sync_s"])
     rec.set(M.RL_STEPS_LEFT, steps - row["step"])
     rec.set(M.RL_LAST_STEP, row["time"])

@@ -63,6 +63,9 @@ class TrainConfig:
     steps: int = opt(40, "Learner steps.")
     groups_per_step: int = opt(2, "Groups (questions) per learner step; the batch is groups_per_step x G.")
     max_staleness: int = opt(1, "Max policy-version lag of a trained group's oldest turn (0 = synchronous).")
+    resample_flat: int = opt(0, "Times a slot is re-issued with the next question when every sample of its group has "
+                                "the same accuracy (all right or all wrong: no answer signal; the k-th such group "
+                                "is trained). 0 = train every group, as the paper does (osvl/rl/buffer.py).")
     weights_every: int = opt(1, "Publish weights every this many steps.", hashed=False)
     ckpt_every: int = opt(10, "Checkpoint every this many steps (and at the end).", hashed=False)
     keep: int = opt(2, "Checkpoints kept.", hashed=False)
@@ -237,7 +240,8 @@ def train(parts: GRPOParts, model_dir: str | Path, questions: list[dict[str, Any
     # worker node must not take the run's ledger with it, and losing the driver ends the run anyway
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
     buffer = ray.remote(TrajectoryBuffer).options(num_cpus=0, scheduling_strategy=here, **named("buffer")).remote(
-        len(questions), tc.groups_per_step, tc.steps, tc.max_staleness, parts.run.seed, tc.max_attempts)
+        len(questions), tc.groups_per_step, tc.steps, tc.max_staleness, parts.run.seed, tc.max_attempts,
+        tc.resample_flat)
     if resume is not None:
         ray.get(buffer.load_state.remote(ckpt.load_buffer_state(resume), tc.steps))
         log(f"resuming from {resume.name}: buffer cursor and ledger restored, slots in flight re-issued")
