@@ -43,6 +43,7 @@ an async actor (all methods run on one event loop, so no locks are needed).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
@@ -90,7 +91,7 @@ class TrajectoryBuffer:
         self.next_question = 0      # the data cursor: position in order (= next_slot unless groups were resampled)
         self.resampled = 0          # flat groups thrown away
         self.slots: dict[int, _Slot] = {}
-        self.reissue: deque[int] = deque()   # slots whose actor died, issued again first
+        self.reissue: deque[int] = deque()   # slots whose actor died or whose group was flat, issued first
         self.log: list[str] = []             # drops and re-issues, human-readable, checkpointed
         self.taken: dict[int, list[list[Any]]] = {}  # step -> groups (idempotent take for all learner ranks)
         self.aborted = ""          # set by abort(): the run cannot go on (no rollout actor can start)
@@ -193,7 +194,8 @@ class TrajectoryBuffer:
             elif s.resamples < self.resample_flat and len({tr.r_acc for tr in group}) == 1:
                 s.resamples += 1
                 self.resampled += 1
-                old, s.work.question_index = s.work.question_index, self._next_question()
+                old = s.work.question_index
+                s.work = dataclasses.replace(s.work, question_index=self._next_question())  # the actor's stays
                 s.actor = ""
                 self.reissue.append(slot)
                 self.log.append(f"resample g{slot} ({s.resamples}/{self.resample_flat}): every sample's accuracy "
