@@ -88,8 +88,6 @@ class TrajectoryBuffer:
         self.resample_flat = resample_flat
         self.version = 0            # latest policy version the learner published
         self.next_slot = 0          # next never-issued slot
-        self.next_question = 0      # the data cursor: position in order (= next_slot unless groups were resampled)
-        self.resampled = 0          # flat groups thrown away
         self.slots: dict[int, _Slot] = {}
         self.reissue: deque[int] = deque()   # slots whose actor died or whose group was flat, issued first
         self.log: list[str] = []             # drops and re-issues, human-readable, checkpointed
@@ -108,10 +106,15 @@ class TrajectoryBuffer:
         perm = np.random.default_rng([self.seed, epoch]).permutation(self.n_questions)
         return int(perm[i])
 
-    def _next_question(self) -> int:
-        q = self.question_of(self.next_question)
-        self.next_question += 1
-        return q
+    @property
+    def resampled(self) -> int:
+        """Flat groups thrown away so far (the slots' counts: checkpointed with them)."""
+        return sum(s.resamples for s in self.slots.values())
+
+    @property
+    def next_question(self) -> int:
+        """The data cursor, a position in order: every issue of a new slot and every re-draw took one question."""
+        return self.next_slot + self.resampled
 
     def _work(self, slot: int, question: int, attempt: int = 0) -> Work:
         step = slot // self.gps
@@ -149,7 +152,7 @@ class TrajectoryBuffer:
                 if self.next_slot >= self.total_steps * self.gps:
                     return None
                 if self._issuable(self.next_slot):
-                    w = self._work(self.next_slot, self._next_question())
+                    w = self._work(self.next_slot, self.question_of(self.next_question))
                     self.slots[w.slot] = _Slot(work=w, actor=actor)
                     self.next_slot += 1
                     return w
@@ -192,10 +195,10 @@ class TrajectoryBuffer:
             elif not group:
                 self._drop(s, "empty group")
             elif s.resamples < self.resample_flat and len({tr.r_acc for tr in group}) == 1:
-                s.resamples += 1
-                self.resampled += 1
                 old = s.work.question_index
-                s.work = dataclasses.replace(s.work, question_index=self._next_question())  # the actor's stays
+                # a new Work: the one the actor holds stays as it was
+                s.work = dataclasses.replace(s.work, question_index=self.question_of(self.next_question))
+                s.resamples += 1
                 s.actor = ""
                 self.reissue.append(slot)
                 self.log.append(f"resample g{slot} ({s.resamples}/{self.resample_flat}): every sample's accuracy "
@@ -311,7 +314,7 @@ class TrajectoryBuffer:
         return {"n_questions": self.n_questions, "gps": self.gps, "total_steps": self.total_steps,
                 "max_staleness": self.max_staleness, "seed": self.seed, "max_attempts": self.max_attempts,
                 "resample_flat": self.resample_flat, "version": self.version, "next_slot": self.next_slot,
-                "next_question": self.next_question, "resampled": self.resampled, "log": list(self.log),
+                "log": list(self.log),
                 "slots": {n: {"work": s.work, "state": s.state, "actor": s.actor, "reason": s.reason,
                               "group": s.group, "staleness": s.staleness, "resamples": s.resamples}
                           for n, s in self.slots.items()}}
@@ -331,8 +334,6 @@ class TrajectoryBuffer:
                 raise ValueError(f"checkpoint buffer has {key}={st[key]}, this run {mine}: resume needs the same")
         self.total_steps = total_steps or st["total_steps"]
         self.version, self.next_slot, self.log = st["version"], st["next_slot"], list(st["log"])
-        # checkpoints written before resampling existed: the cursor was the slot
-        self.next_question, self.resampled = st.get("next_question", self.next_slot), st.get("resampled", 0)
         self.slots, self.reissue, self.taken = {}, deque(), {}
         for n, d in sorted(st["slots"].items()):
             s = _Slot(work=d["work"], state=d["state"], actor=d["actor"], reason=d["reason"], group=d["group"],
