@@ -120,7 +120,7 @@ def main() -> None:
     from osvl.models.load import load_model, load_processor
     from osvl.rl.job import JOB, GRPOConfig, prepare
     from osvl.rl.learner import Learner, make_engine
-    from osvl.rl.learner_loop import reference_model, rl_batch
+    from osvl.rl.learner_loop import rank_share, reference_model, rl_batch
     from osvl.rl.trainer import heldout_questions, read_questions
 
     args = sys.argv[1:]
@@ -169,7 +169,10 @@ def main() -> None:
         chunk = groups[s * gps:(s + 1) * gps]
         if not chunk:
             break
-        res = learner.step(rl_batch(chunk, str(image_dir), processor, cfg.rl))
+        share = rank_share(chunk, 0, 1, cfg.rl)  # the micro-batches a one-worker job's learner trains
+        if share is None:
+            continue
+        res = learner.step([(rl_batch(c, str(image_dir), processor, cfg.rl), live) for c, live in share])
         if (s + 1) % every == 0 or s + 1 == steps:
             measure(s + 1, res.kl)
     first, last = rows[0], rows[-1]

@@ -167,15 +167,15 @@ def test_non_finite_step_is_skipped_and_bounds_stop_the_run(model_and_batch):
     learner = Learner(make_engine(copy.deepcopy(shared), cfg), cfg)
     model = learner.model
     before = [p.detach().clone() for p in model.parameters()]
-    res = learner.step(dict(b, reward=torch.tensor([float("nan")] + [0.5] * 7)))
+    res = learner.step([(dict(b, reward=torch.tensor([float("nan")] + [0.5] * 7)), True)])
     assert res.skipped and learner.skipped == 1 and learner.step_count == 0
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))
-    res = learner.step(b)
+    res = learner.step([(b, True)])
     assert not res.skipped and learner.step_count == 1 and res.entropy > 0
     assert any(not torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))
     bounded = RLConfig(beta=0.0, lr=0.0, entropy_max=res.entropy / 2)
     with pytest.raises(TrainingDiverged, match="entropy_max"):
-        Learner(make_engine(copy.deepcopy(shared), bounded), bounded).step(b)
+        Learner(make_engine(copy.deepcopy(shared), bounded), bounded).step([(b, True)])
 
 
 def test_learner_scores_at_the_sampling_temperature(model_and_batch):
@@ -190,7 +190,7 @@ def test_learner_scores_at_the_sampling_temperature(model_and_batch):
         behaviour, _ = forward_logprobs(shared, batch, temperature=0.3)
     b = dict(batch, old_logprobs=behaviour)
     cfg = RLConfig(beta=0.0, lr=0.0)
-    matched = Learner(make_engine(copy.deepcopy(shared), cfg), cfg, temperature=0.3).step(b)
+    matched = Learner(make_engine(copy.deepcopy(shared), cfg), cfg, temperature=0.3).step([(b, True)])
     assert matched.clip_fraction == 0.0
-    mismatched = Learner(make_engine(copy.deepcopy(shared), cfg), cfg).step(b)
+    mismatched = Learner(make_engine(copy.deepcopy(shared), cfg), cfg).step([(b, True)])
     assert mismatched.clip_fraction > 0.05

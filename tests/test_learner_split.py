@@ -1,13 +1,15 @@
-"""The learner trains the same gradient whatever the split of a step's groups over its workers.
+"""The learner trains the same gradient whatever the split of a step's groups over its workers and
+micro-batches.
 
 Two real DeepSpeed (ZeRO-2, gloo) workers in their own processes take their shares of a step
 through ``rank_share`` / ``rl_batch`` / ``Learner.step``, exactly as ``train_loop`` does; the
-one-worker reference is a one-rank DeepSpeed ``Learner`` (what a one-worker job runs) on the whole step,
-in the test process. Both use SGD with lr 1 and no
+one-worker reference is a one-rank DeepSpeed ``Learner`` (what a one-worker job runs) on the whole step
+in one batch (``micro_rows=0``), in the test process. Both use SGD with lr 1 and no
 clipping, so the parameter change *is* the (all-reduced) gradient. The cases are the ones that
 used to hang or mis-weight: a step with fewer groups than workers (one rank has nothing, so it
-trains a stand-in with weight 0), groups of unequal lengths, and a rank whose rows are all
-dropped for length. A hang shows as the workers' timeout.
+trains a stand-in with weight 0), groups of unequal lengths, a rank whose rows are all
+dropped for length, and micro-batches of one group each, so that the ranks hold different numbers
+of them (the short rank makes up the count with stand-ins). A hang shows as the workers' timeout.
 """
 
 from __future__ import annotations
@@ -23,9 +25,7 @@ import torch
 
 from osvl.agent.trajectory import Trajectory
 from osvl.rl.learner import Learner, RLConfig, forward_logprobs, make_engine
-from osvl.rl.learner_loop import rank_share, rl_batch
-
-pytestmark = pytest.mark.slow  # ~40 s on 2 shared cores: two DeepSpeed workers, three steps each
+from osvl.rl.learner_loop import micro_batches, rank_share, rl_batch
 
 WORLD = 2
 
@@ -63,10 +63,13 @@ def _cases() -> list[tuple[str, RLConfig, list[list[Trajectory]]]]:
              group(2, [(1, 2), (1, 4), (2, 3), (1, 3)], [1.0, 0.0, 0.0, 0.4], fatal_row=1)]
     # rank 1's only group (group 1) is longer than max_len: all its rows are dropped
     long_rows = [three[0], group(1, [(6, 12)] * 4, [0.3, 0.0, 0.6, 0.1]), three[2]]
-    base = dict(beta=0.0, lr=1.0, grad_clip=0.0, max_len=70, truncation="drop")
+    base = dict(beta=0.0, lr=1.0, grad_clip=0.0, max_len=70, truncation="drop", micro_rows=0)
     return [("1 group on 2 workers", RLConfig(**base), one),
             ("3 groups of unequal lengths on 2 workers", RLConfig(**base), three),
-            ("a rank whose rows are all dropped, token_mean", RLConfig(**base, aggregation="token_mean"), long_rows)]
+            ("a rank whose rows are all dropped, token_mean", RLConfig(**base, aggregation="token_mean"), long_rows),
+            ("micro-batches of one group, 2 on rank 0 and 1 on rank 1", RLConfig(**{**base, "micro_rows": 4}), three),
+            ("micro-batches of one group, token_mean", RLConfig(**{**base, "micro_rows": 4},
+                                                               aggregation="token_mean"), three)]
 
 
 def _with_behaviour_logprobs(model, processor, groups, cfg):
@@ -104,14 +107,32 @@ def _worker(rank: int, port: int, case_file: str, out_file: str) -> None:
         before = {k: v.detach().clone() for k, v in model.named_parameters()}
         opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=cfg.lr)
         engine = make_engine(model, cfg, world=WORLD, optimizer=opt)
-        mine, live = rank_share(groups, rank, WORLD, cfg)
-        res = Learner(engine, cfg).step(rl_batch(mine, "", processor, cfg), live=live)
-        out.append((live, res.loss, _deltas(before, engine.module)))
+        share = rank_share(groups, rank, WORLD, cfg)
+        res = Learner(engine, cfg).step([(rl_batch(chunk, "", processor, cfg), live) for chunk, live in share])
+        out.append((res.loss, _deltas(before, engine.module)))
     if rank == 0:
         torch.save(out, out_file)
     dist.destroy_process_group()
 
 
+def test_micro_batches_pack_whole_groups_by_length():
+    """Groups are packed whole, shortest longest-row first, up to ``micro_rows`` trainable rows; a group
+    whose rows are all too long is left out, and one larger than ``micro_rows`` is a micro-batch alone."""
+    g = torch.Generator().manual_seed(1)
+
+    def group(gid: int, n: int, turn_len: int) -> list[Trajectory]:
+        return [_record(g, gid, i, 2, turn_len, 0.0, False) for i in range(n)]
+
+    groups = [group(0, 4, 9), group(1, 2, 3), group(2, 4, 5), group(3, 4, 40), group(4, 6, 4), group(5, 2, 2)]
+    cfg = RLConfig(max_len=70, truncation="drop", micro_rows=4)
+    packed = micro_batches(groups, cfg)
+    ids = [[trajs[0].group_id for trajs in chunk] for chunk in packed]
+    assert ids == [["g5", "g1"], ["g4"], ["g2"], ["g0"]]  # g3's rows are over max_len
+    one = micro_batches(groups, RLConfig(max_len=70, truncation="drop", micro_rows=0))
+    assert [[trajs[0].group_id for trajs in chunk] for chunk in one] == [["g5", "g1", "g4", "g2", "g0"]]
+
+
+@pytest.mark.slow  # ~60 s on 2 shared cores: two DeepSpeed workers, five steps each
 def test_any_split_of_a_step_trains_the_one_worker_gradient(tmp_path):
     from osvl.cluster import free_port
     from osvl.models.load import load_model, load_processor
@@ -121,8 +142,11 @@ def test_any_split_of_a_step_trains_the_one_worker_gradient(tmp_path):
     processor = load_processor(path)
     init = load_model(path, dtype="float32").eval()
     cases = [(name, cfg, _with_behaviour_logprobs(init, processor, groups, cfg)) for name, cfg, groups in _cases()]
-    assert rank_share(cases[0][2], 1, WORLD, cases[0][1])[1] is False  # the cases do exercise the stand-in
-    assert rank_share(cases[2][2], 1, WORLD, cases[2][1])[1] is False
+    # the cases do exercise the stand-in, and micro-batch counts that differ before it
+    assert [live for _, live in rank_share(cases[0][2], 1, WORLD, cases[0][1])] == [False]
+    assert [live for _, live in rank_share(cases[2][2], 1, WORLD, cases[2][1])] == [False]
+    assert [live for _, live in rank_share(cases[3][2], 0, WORLD, cases[3][1])] == [True, True]
+    assert [live for _, live in rank_share(cases[3][2], 1, WORLD, cases[3][1])] == [True, False]
     (tmp_path / "cases.pkl").write_bytes(pickle.dumps(cases))
 
     port, out_file = free_port(), tmp_path / "out.pt"
@@ -139,12 +163,12 @@ def test_any_split_of_a_step_trains_the_one_worker_gradient(tmp_path):
     assert all(p.returncode == 0 for p in procs), "\n".join(log[-3000:] for log in logs)
     split = torch.load(out_file)
 
-    for (name, cfg, groups), (_, loss, deltas) in zip(cases, split, strict=True):
+    for (name, cfg, groups), (loss, deltas) in zip(cases, split, strict=True):
         model = load_model(path, dtype="float32")
         before = {k: v.detach().clone() for k, v in model.named_parameters()}
         engine = make_engine(model, cfg, optimizer=torch.optim.SGD(model.parameters(), lr=cfg.lr))
         learner = Learner(engine, cfg)
-        ref = learner.step(rl_batch(groups, "", processor, cfg))
+        ref = learner.step([(rl_batch(groups, "", processor, cfg), True)])
         want = _deltas(before, model)
         assert abs(loss - ref.loss) < 1e-5, name
         moved = max(float(d.abs().max()) for d in want.values())

@@ -18,7 +18,7 @@ learner's weights would make every ratio 1 and silently turn off the correction)
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -55,6 +55,9 @@ class RLConfig:
     grad_clip: float = opt(1.0, "Global gradient-norm clip (0 = off).")
     max_len: int = opt(4096, "Longest trajectory fed to the learner, in tokens (collate's truncation).")
     truncation: str = opt("drop", "What collate does with a longer trajectory (see osvl/train/batch.py).")
+    micro_rows: int = opt(8, "Most trainable rows in one learner forward/backward: a rank's groups are packed "
+                             "whole, by length, into micro-batches and their gradients accumulate into one "
+                             "update (a larger group is one micro-batch; 0 = one padded batch per step).")
     kl_max: float = opt(0.0, "Stop the run when the mean k3 KL to the reference exceeds this (0 = no bound).")
     entropy_min: float = opt(0.0, "Stop the run when the mean token entropy falls below this (0 = no bound).")
     entropy_max: float = opt(0.0, "Stop the run when the mean token entropy exceeds this (0 = no bound).")
@@ -77,40 +80,49 @@ class StepLoss:
     n_fatal: int
 
 
+def _adv_and_mask(batch: Mapping[str, torch.Tensor], cfg: RLConfig,
+                  live: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The rows' normalised rewards, their advantages and loss weights after the mode, the (B, T) training
+    mask M and the generated-token mask: everything of the loss that does not need the model."""
+    mode = MODES[cfg.mode]
+    raw = group_advantages(batch["reward"], batch["group"], baseline=cfg.baseline)
+    adv, weight = apply_mode(raw, batch["fatal"].to(torch.bool), cfg.mode)
+    if not live:
+        weight = torch.zeros_like(weight)
+    start = batch["mask_start"] if mode.mask_post_fatal else torch.full_like(batch["mask_start"], NOT_FATAL)
+    gen = batch["gen_mask"].to(torch.float32)
+    return raw, adv, weight, token_mask(gen, batch["step_ids"], start), gen
+
+
+def batch_divisor(batch: Mapping[str, torch.Tensor], cfg: RLConfig, live: bool = True) -> torch.Tensor:
+    """What one micro-batch adds to its step's loss divisor (``loss_divisor``; 0 for a stand-in)."""
+    if not live:
+        return torch.zeros(())
+    _, _, weight, mask, _ = _adv_and_mask(batch, cfg, live)
+    return loss_divisor(mask, weight, cfg.aggregation).to(torch.float32)
+
+
 def grpo_loss(logp: torch.Tensor, batch: Mapping[str, torch.Tensor], cfg: RLConfig,
               ref_logp: torch.Tensor | None = None, *, live: bool = True,
-              global_divisor: Callable[[torch.Tensor], torch.Tensor] | None = None) -> StepLoss:
-    """Fatal-aware GRPO loss of one batch (several groups may share it).
+              divisor: torch.Tensor | None = None) -> StepLoss:
+    """Fatal-aware GRPO loss of one batch (several whole groups may share it).
 
     ``batch`` holds (B, T) ``gen_mask``, ``step_ids``, ``old_logprobs`` and per-row
     ``reward``, ``group`` (group index), ``fatal`` (bool) and ``mask_start``.
     ``logp`` is (B, T), aligned with ``input_ids`` (log-prob of token t given < t).
 
-    When the batch is one rank's share of a step, ``global_divisor`` maps this batch's
-    divisor (``loss_divisor``) to the step's (a sum over the ranks), so the ranks' losses add
-    up to the loss one worker would compute on the whole step. ``live=False`` marks a stand-in
-    batch: it runs forward and backward (the collectives need every rank) with weight 0 and
-    adds nothing to the divisor.
+    When the batch is one micro-batch of a step, or one rank's share, ``divisor`` is the
+    step's (``batch_divisor`` summed over every micro-batch of every rank), so the parts' losses
+    add up to the loss of the whole step in one batch. ``live=False`` marks a stand-in batch: it
+    runs forward and backward (the collectives need every rank) with weight 0.
     """
-    mode = MODES[cfg.mode]
-    fatal = batch["fatal"].to(torch.bool)
-    raw = group_advantages(batch["reward"], batch["group"], baseline=cfg.baseline)
-    adv, weight = apply_mode(raw, fatal, cfg.mode)
-    if not live:
-        weight = torch.zeros_like(weight)
-    start = batch["mask_start"] if mode.mask_post_fatal else torch.full_like(batch["mask_start"], NOT_FATAL)
-    gen = batch["gen_mask"].to(torch.float32)
-    mask = token_mask(gen, batch["step_ids"], start)
-    divisor = None
-    if global_divisor is not None:
-        local = loss_divisor(mask, weight, cfg.aggregation) if live else torch.zeros(())
-        divisor = global_divisor(local.to(torch.float32))
+    raw, adv, weight, mask, gen = _adv_and_mask(batch, cfg, live)
     out = policy_loss(logp, batch["old_logprobs"].to(logp.dtype), adv, mask, weight, eps_low=cfg.eps_low,
                       eps_high=cfg.eps_high, ref_logp=ref_logp, beta=cfg.beta, aggregation=cfg.aggregation,
                       gen_mask=gen, divisor=divisor)
     # the clamp split: fatal rows whose normalised reward is negative (the clamp sets them to 0) vs
     # positive (kept); counted in every mode, so the ablations report what the clamp would do
-    fatal = fatal & live  # a stand-in batch counts nothing
+    fatal = batch["fatal"].to(torch.bool) & live  # a stand-in batch counts nothing
     clamped = int((fatal & (raw < 0)).sum())
     kept = int((fatal & (raw > 0)).sum())  # a 0 advantage is neither
     return StepLoss(out=out, adv=adv, raw_adv=raw, mask=mask, clamped=clamped, kept_positive=kept,
@@ -240,7 +252,8 @@ class StepResult:
 def make_engine(model: torch.nn.Module, cfg: RLConfig, *, zero_stage: int = 2, world: int = 1,
                 optimizer: torch.optim.Optimizer | None = None) -> Any:
     """The DeepSpeed engine a learner rank steps: AdamW (or ``optimizer``) under the ``rl.warmup_steps``
-    schedule, ZeRO ``zero_stage``, one micro-batch per step. Outside Ray Train (tests) it makes a
+    schedule, ZeRO ``zero_stage``; ``Learner.step`` marks its own accumulation boundary, so a step may
+    have any number of micro-batches. Outside Ray Train (tests) it makes a
     one-process group first, so a test runs the learner exactly as a one-worker job does."""
     from osvl.train.deepspeed import ds_config, init_engine
 
@@ -269,52 +282,64 @@ class Learner:
         self.step_count = 0      # optimiser steps applied (the policy version)
         self.skipped = 0         # non-finite steps skipped
 
-    def step(self, batch: Mapping[str, torch.Tensor], live: bool = True) -> StepResult:
-        """One update on this rank's share of a step (see ``rank_share``; ``live=False``: a stand-in).
+    def step(self, micro: Sequence[tuple[Mapping[str, torch.Tensor], bool]]) -> StepResult:
+        """One update on this rank's share of a step: its micro-batches (``rank_share``: whole groups,
+        each ``(batch, live)``; ``live=False`` is a stand-in), gradients accumulated over them.
 
-        Under DeepSpeed with several ranks the loss is over the step's global divisor and
-        multiplied by the world size, because DeepSpeed *averages* the ranks' gradients: the
-        sum is then the gradient one worker would compute on the whole step, however the
-        groups were split. The loss and KL reported are the step's (summed over the ranks).
+        Every micro-batch's loss is over the step's global divisor, so the losses add up to the
+        loss of the whole step in one batch, and under DeepSpeed with several ranks it is multiplied
+        by the world size, because DeepSpeed *averages* the ranks' gradients: the sum is then the
+        gradient one worker would compute on the whole step in one batch, however the groups were
+        split. The loss, KL and entropy reported are the step's (summed over micro-batches and ranks).
+        A non-finite loss or gradient on any rank skips the update on all of them (every
+        micro-batch still runs backward, so the ranks' collectives stay paired).
         """
         t0, c0 = time.perf_counter(), time.process_time()
         self.model.train()
-        logp, logits = forward_logprobs(self.engine, batch, self.temperature)
-        ref_logp = None
-        if self.ref is not None and self.cfg.beta > 0:
-            with torch.no_grad():
-                ref_logp, _ = forward_logprobs(self.ref, batch, self.temperature)
         world = _world()
-        sl = grpo_loss(logp, batch, self.cfg, ref_logp, live=live,
-                       global_divisor=_sum_ranks if world > 1 else None)
-        rows = sl.mask[scored_positions(batch["gen_mask"])]  # logits' rows, in order
-        entropy = token_entropy(logits, rows)
-        loss = sl.out.loss * world
-        # the step's loss, KL and token-weighted entropy, the same on every rank (so are the bound checks)
-        n = float(rows.sum()) if live else 0.0
-        reported = _sum_ranks(torch.tensor([float(sl.out.loss.detach()), float(sl.out.policy_loss), float(sl.out.kl),
-                                            entropy * n, n], dtype=torch.float64))
-        entropy = float(reported[3] / reported[4]) if reported[4] > 0 else entropy
-        finite = _all_ranks(bool(torch.isfinite(loss)))
+        divisor = _sum_ranks(sum((batch_divisor(b, self.cfg, live) for b, live in micro), torch.zeros(())))
+        # the step's loss, policy loss, KL, entropy x tokens, tokens; this rank's clipped, trained, generated tokens
+        totals = torch.zeros(5, dtype=torch.float64)
+        clipped = trained = generated = 0.0
+        clamped = kept = n_fatal = tokens = 0
+        finite = True
+        for i, (batch, live) in enumerate(micro):
+            # DeepSpeed reduces and the optimiser may step only after the last micro-batch
+            self.engine.set_gradient_accumulation_boundary(i == len(micro) - 1)
+            logp, logits = forward_logprobs(self.engine, batch, self.temperature)
+            ref_logp = None
+            if self.ref is not None and self.cfg.beta > 0:
+                with torch.no_grad():
+                    ref_logp, _ = forward_logprobs(self.ref, batch, self.temperature)
+            sl = grpo_loss(logp, batch, self.cfg, ref_logp, live=live, divisor=divisor)
+            rows = sl.mask[scored_positions(batch["gen_mask"])]  # logits' rows, in order
+            n = float(rows.sum()) if live else 0.0
+            totals += torch.tensor([float(sl.out.loss.detach()), float(sl.out.policy_loss), float(sl.out.kl),
+                                    token_entropy(logits, rows) * n, n], dtype=torch.float64)
+            m = float(sl.mask.sum())
+            clipped += float(sl.out.clip_fraction) * m
+            trained += m
+            generated += float(batch["gen_mask"].sum())
+            clamped, kept, n_fatal = clamped + sl.clamped, kept + sl.kept_positive, n_fatal + sl.n_fatal
+            tokens += int(batch["gen_mask"].sum()) if live else 0
+            finite = finite and bool(torch.isfinite(sl.out.loss))
+            self.engine.backward(sl.out.loss * world)
+        reported = _sum_ranks(totals)
+        entropy = float(reported[3] / reported[4]) if reported[4] > 0 else 0.0
+        finite = _all_ranks(finite) and not _overflow(self.engine, self.params)
         grad_norm = float("nan")
-        if finite:
-            self.engine.backward(loss)
-            finite = not _overflow(self.engine, self.params)
         if finite:
             self.engine.step()
             grad_norm = float(self.engine.get_global_grad_norm() or 0.0)
-        else:
-            self.engine.optimizer.zero_grad()
-        if finite:
             self.step_count += 1
         else:
+            self.engine.optimizer.zero_grad()
             self.skipped += 1
         kl = float(reported[2])
         if finite:
             check_bounds(self.cfg, kl, entropy, self.step_count)
         return StepResult(step=self.step_count, skipped=not finite, loss=float(reported[0]),
-                          policy_loss=float(reported[1]), kl=kl, clip_fraction=float(sl.out.clip_fraction),
-                          mask_coverage=float(sl.out.mask_coverage), entropy=entropy, grad_norm=grad_norm,
-                          clamped=sl.clamped, kept_positive=sl.kept_positive, n_fatal=sl.n_fatal,
-                          tokens=int(batch["gen_mask"].sum()), seconds=time.perf_counter() - t0,
-                          cpu_s=time.process_time() - c0)
+                          policy_loss=float(reported[1]), kl=kl, clip_fraction=clipped / max(trained, 1.0),
+                          mask_coverage=trained / max(generated, 1.0), entropy=entropy, grad_norm=grad_norm,
+                          clamped=clamped, kept_positive=kept, n_fatal=n_fatal, tokens=tokens,
+                          seconds=time.perf_counter() - t0, cpu_s=time.process_time() - c0)

@@ -1,8 +1,8 @@
 """The GRPO learner's Ray Train worker: a step's groups become this rank's batch, then the loop.
 
 ``rank_share`` / ``rl_batch`` turn the groups the buffer hands out into this rank's padded
-tensors (whole groups per rank, a stand-in row where a rank has none, so every rank joins every
-collective); ``train_loop`` takes a step's groups, updates (``osvl.rl.learner.Learner``),
+micro-batches (whole groups, sorted by length; stand-in rows where a rank has fewer, so every rank
+joins every collective); ``train_loop`` takes a step's groups, updates (``osvl.rl.learner.Learner``),
 publishes weights, checkpoints, and writes the step's row and the training curves.
 """
 
@@ -29,24 +29,48 @@ def _trainable(tr: Any, cfg: RLConfig) -> bool:
     return len(tr.input_ids) <= cfg.max_len or cfg.truncation != "drop"
 
 
-def rank_share(groups: Sequence[Sequence[Any]], rank: int, world: int,
-               cfg: RLConfig) -> tuple[list[Sequence[Any]], bool] | None:
-    """This rank's whole groups of a step and whether they are live; None when the step trains nothing.
+def micro_batches(groups: Sequence[Sequence[Any]], cfg: RLConfig) -> list[list[Sequence[Any]]]:
+    """Whole groups packed, in order of their longest trainable row, into micro-batches of at most
+    ``rl.micro_rows`` trainable rows (a larger group is one micro-batch; 0: all in one).
 
-    Every rank sees the step's full list of groups, so each decides the same thing without
-    a collective. A rank left without a trainable row (fewer groups than ranks, or all its
-    rows dropped for length) still has to join every collective of the step (DeepSpeed's
-    gradient reduction, the divisor's sum), so it gets a stand-in: the step's shortest
-    trainable record, trained with weight 0 (``live=False``). When no row of the step is
-    trainable, every rank skips it together.
+    Rows of similar length share a micro-batch, so little is padded, and a forward/backward
+    works on a few rows at a time: on the demo's 32-row steps (8 groups of 4, 1,600-3,200
+    tokens) one padded batch took 3x the CPU time of four sorted micro-batches of 8
+    (docs/measurements.md). Groups stay whole because the advantages are per group.
     """
-    mine = list(groups[rank::world])
-    if any(_trainable(tr, cfg) for g in mine for tr in g):
-        return mine, True
+    def rows(g: Sequence[Any]) -> list[Any]:
+        return [tr for tr in g if _trainable(tr, cfg)]
+
+    out: list[list[Sequence[Any]]] = []
+    size = 0
+    for g in sorted((g for g in groups if rows(g)), key=lambda g: max(len(tr.input_ids) for tr in rows(g))):
+        n = len(rows(g))
+        if not out or (cfg.micro_rows and size + n > cfg.micro_rows):
+            out.append([])
+            size = 0
+        out[-1].append(g)
+        size += n
+    return out
+
+
+def rank_share(groups: Sequence[Sequence[Any]], rank: int, world: int,
+               cfg: RLConfig) -> list[tuple[list[Sequence[Any]], bool]] | None:
+    """This rank's micro-batches of a step, each ``(whole groups, live)``; None when the step trains nothing.
+
+    Rank r takes groups r, r + world, ... Every rank sees the step's full list of groups, so
+    each decides the same thing without a collective, and every rank gets the same number of
+    micro-batches: each one's backward joins DeepSpeed's gradient reduction, and the divisor's sum
+    is a collective too. A rank short of micro-batches (fewer groups than ranks, rows dropped for
+    length, shorter rows) makes up the count with stand-ins: the step's shortest trainable record,
+    trained with weight 0 (``live=False``). When no row of the step is trainable, every rank skips it.
+    """
     rows = [tr for g in groups for tr in g if _trainable(tr, cfg)]
     if not rows:
         return None
-    return [[min(rows, key=lambda tr: len(tr.input_ids))]], False
+    shares = [micro_batches(groups[r::world], cfg) for r in range(world)]
+    stand_in: list[Sequence[Any]] = [[min(rows, key=lambda tr: len(tr.input_ids))]]
+    mine = [(chunk, True) for chunk in shares[rank]]
+    return mine + [(stand_in, False)] * (max(len(s) for s in shares) - len(mine))
 
 
 def rl_batch(groups: Sequence[Sequence[Any]], image_dir: str, processor: Any, cfg: RLConfig) -> dict[str, torch.Tensor]:
@@ -158,10 +182,10 @@ def train_loop(config: dict[str, Any]) -> None:
             wait_s = time.perf_counter() - t_wait
             share = rank_share(groups, rank, world, cfg)
             if share is not None:
-                if any(not (image_dir / f"{sha}.png").is_file() for g in share[0] for t in g for sha in t.images):
+                if any(not (image_dir / f"{sha}.png").is_file()
+                       for chunk, _ in share for g in chunk for t in g for sha in t.images):
                     storage.refresh(image_dir)  # written by rollout actors on other nodes
-                batch = rl_batch(share[0], str(image_dir), processor, cfg)
-                res = learner.step(batch, live=share[1])
+                res = learner.step([(rl_batch(chunk, str(image_dir), processor, cfg), live) for chunk, live in share])
             else:  # every group of the step dropped: nothing to learn from, the step still counts
                 learner.skipped += 1
                 res = None
