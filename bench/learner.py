@@ -1,0 +1,102 @@
+"""One GRPO learner step in micro-batches of whole groups packed by length vs one padded batch.
+
+The step the demo trains at 8 groups of G=4: 32 trajectories whose lengths spread over
+1,600-3,200 tokens (what the demo policy's episodes measure: a system prompt, the question, five
+turns, tool answers). In one batch every row is padded to the step's longest and every activation
+of the 32 rows is alive at once; ``rl.micro_rows`` packs whole groups, sorted by their longest row,
+into micro-batches and accumulates their gradients (``osvl.rl.learner_loop.rank_share``,
+``Learner.step``). Both run the real learner: a one-rank DeepSpeed ZeRO-2 engine on the committed
+demo policy (``osvl/models/weights/tiny_policy``), from the same weights, on the same rows, with
+SGD, so the two updates must agree (``max_update_diff``, float32 summation order only).
+
+Rows are text (random ordinary tokens, the generated/context pattern of an agent episode): the
+vision tower's cost is the same in both and small at the demo's image sizes.
+
+    .venv/bin/python bench/learner.py [--groups=8] [--group_size=4] [--micro_rows=8] [--repeats=2]
+
+Last stdout line: JSON with each variant's CPU-seconds per step (best of ``--repeats``) and
+``ratio`` = one padded batch's over the micro-batches'.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+POLICY = Path(__file__).resolve().parents[1] / "osvl" / "models" / "weights" / "tiny_policy"
+
+
+def episode(rng: random.Random, gid: int, i: int, length: int, reward: float):
+    """A policy record of about ``length`` tokens: a 300-token prompt, then turns of 60 generated tokens
+    each followed by a 240-token tool answer (the demo episodes' shape, not their text)."""
+    from osvl.agent.trajectory import Trajectory
+
+    ids, gen, step = [rng.randrange(200, 3900) for _ in range(300)], [0] * 300, [-1] * 300
+    turn = 0
+    while len(ids) < length:
+        ids += [rng.randrange(200, 3900) for _ in range(300)]
+        gen += [1] * 60 + [0] * 240
+        step += [turn] * 60 + [-1] * 240
+        turn += 1
+    return Trajectory(id=f"g{gid}-{i}", question_id=f"q{gid}", group_id=f"g{gid}", kind="policy", question="",
+                      answer="", answer_aliases=[], input_ids=ids, gen_mask=gen, logprobs=[0.0] * len(ids),
+                      step_ids=step, images=[], image_max_pixels=[], processor={}, turns=[],
+                      fatal_cascade_start=-1, fatal_kth=-1, reward=reward)
+
+
+def main() -> None:
+    import torch
+
+    from osvl.models.load import load_model, load_processor
+    from osvl.rl.learner import Learner, RLConfig, forward_logprobs, make_engine
+    from osvl.rl.learner_loop import rank_share, rl_batch
+
+    flag = {a.split("=", 1)[0][2:]: a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--") and "=" in a}
+    n_groups, size = int(flag.get("groups", 8)), int(flag.get("group_size", 4))
+    micro, repeats = int(flag.get("micro_rows", 8)), int(flag.get("repeats", 2))
+    torch.set_num_threads(2)
+    rng = random.Random(0)
+    groups = []
+    for gid in range(n_groups):
+        base = rng.randrange(1600, 2900)
+        groups.append([episode(rng, gid, i, base + rng.randrange(0, 300), float(rng.random() < 0.3))
+                       for i in range(size)])
+    processor = load_processor(POLICY)
+    init = load_model(POLICY, dtype="float32").eval()
+    with torch.no_grad():  # behaviour log-probs of the starting weights: every ratio starts at 1
+        for g in groups:
+            for tr in g:
+                tr.logprobs = forward_logprobs(init, rl_batch([[tr]], "", processor, RLConfig()))[0][0].tolist()
+
+    def run(micro_rows: int) -> tuple[float, dict[str, torch.Tensor]]:
+        cfg = RLConfig(beta=0.0, lr=1.0, grad_clip=0.0, aggregation="token_mean", micro_rows=micro_rows)
+        best, delta = float("inf"), {}
+        for _ in range(repeats):
+            model = load_model(POLICY, dtype="float32")
+            before = {k: v.detach().clone() for k, v in model.named_parameters()}
+            learner = Learner(make_engine(model, cfg, optimizer=torch.optim.SGD(model.parameters(), lr=1.0)), cfg)
+            share = rank_share(groups, 0, 1, cfg)
+            res = learner.step([(rl_batch(chunk, "", processor, cfg), live) for chunk, live in share])
+            best = min(best, res.cpu_s)
+            delta = {k: v.detach() - before[k] for k, v in model.named_parameters()}
+        print(f"  micro_rows={micro_rows}: {len(share)} micro-batch(es), {best:.1f} CPU-s per step", flush=True)
+        return best, delta
+
+    t0 = time.perf_counter()
+    padded_s, want = run(0)
+    micro_s, got = run(micro)
+    diff = max(float((got[k] - want[k]).abs().max()) for k in want)
+    rows = [len(tr.input_ids) for g in groups for tr in g]
+    print(json.dumps({"ratio": round(padded_s / micro_s, 3), "padded_cpu_s": round(padded_s, 2),
+                      "micro_cpu_s": round(micro_s, 2), "micro_rows": micro, "groups": n_groups, "group_size": size,
+                      "tokens": sum(rows), "padded_tokens": max(rows) * len(rows), "max_update_diff": diff,
+                      "seconds": round(time.perf_counter() - t0, 1)}))
+
+
+if __name__ == "__main__":
+    main()
