@@ -44,7 +44,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 MODES = ("vanilla", "hard_mask", "fatal_mask", "fatal_mask_clamp")
-BENCH_FLAGS = ("--steps=", "--seeds=", "--modes=", "--scripted")
 
 
 def mean_se(xs: list[float]) -> dict[str, float | None]:
@@ -84,20 +83,18 @@ def one_run(cfg, mode: str, seed: int, model: Path, qdir: Path, questions: list[
 
 def main() -> None:
     from osvl.cluster import init_ray
-    from osvl.config import parse_args, run_dir
+    from osvl.config import parse_args, run_dir, script_flags
     from osvl.plots import reward_curves
     from osvl.rl.job import JOB, GRPOConfig, prepare
     from osvl.rl.rollout import heldout_scores
     from osvl.rl.trainer import heldout_questions, read_questions
 
-    args = sys.argv[1:]
-    flag = {a.split("=", 1)[0][2:]: a.split("=", 1)[1] if "=" in a else "1" for a in args
-            if a.startswith(BENCH_FLAGS)}
-    steps, seeds = int(flag.get("steps", 25)), int(flag.get("seeds", 3))
-    modes = flag["modes"].split(",") if "modes" in flag else list(MODES)
+    flag, job_args = script_flags(sys.argv[1:], {"steps": 25, "seeds": 3, "modes": ",".join(MODES),
+                                                 "scripted": False}, rest=True)
+    steps, seeds, modes = flag["steps"], flag["seeds"], flag["modes"].split(",")
     tmp = tempfile.TemporaryDirectory(prefix="osvl-bench-ablation-")
     extra = [f"--train.steps={steps}", "--train.ckpt_every=100000"]
-    if "scripted" in flag:
+    if flag["scripted"]:
         from osvl.agent.scripted import question_folder, tiny_agent_checkpoint
 
         qdir = Path(tmp.name) / "questions"
@@ -105,7 +102,7 @@ def main() -> None:
         extra += [f"--questions={qdir}", f"--model={tiny_agent_checkpoint()}", "--rollout.offer=crop,text_search",
                   f"--rollout.schemas={schemas}", "--rollout.agent.max_turns=3", "--rollout.agent.max_new_tokens=64",
                   "--rollout.agent.max_episode_tokens=2048", "--rl.group_size=2"]
-    cfg = parse_args(GRPOConfig, JOB, extra + [a for a in args if not a.startswith(BENCH_FLAGS)])
+    cfg = parse_args(GRPOConfig, JOB, extra + job_args)
     cfg.rollout.check()
     init_ray(num_cpus=max(3, int(cfg.rollout.num_actors * cfg.rollout.cpus_per_actor) + 2))
     qdir, model = prepare(cfg, log=lambda m: print(m, flush=True))  # built once, reused by every mode and seed

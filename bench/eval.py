@@ -28,7 +28,7 @@ import torch  # noqa: E402
 from PIL import Image  # noqa: E402
 
 from osvl.agent import scripted  # noqa: E402
-from osvl.config import to_dict  # noqa: E402
+from osvl.config import script_flags, to_dict  # noqa: E402
 from osvl.eval.job import EvalConfig, EvalWorker  # noqa: E402
 
 
@@ -57,10 +57,10 @@ def measure(worker: EvalWorker, chunk: list, inflight: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = dict(a[2:].split("=", 1) for a in (sys.argv[1:] if argv is None else argv))
-    n, inflight = int(args.get("items", 32)), int(args.get("inflight", 32))
-    latency = float(args.get("latency", 0.2))
-    torch.set_num_threads(int(args.get("threads", 1)))
+    args, _ = script_flags(sys.argv[1:] if argv is None else argv,
+                           {"items": 32, "inflight": 32, "latency": 0.2, "threads": 1})
+    n, inflight, latency = args["items"], args["inflight"], args["latency"]
+    torch.set_num_threads(args["threads"])
     cfg = EvalConfig(model="tiny-agent", modes=["agentic"], tool_cache="off",
                      tool_latency_s=latency, max_batch=32)
     cfg.agent.max_new_tokens = 96

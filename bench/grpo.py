@@ -103,9 +103,10 @@ def main() -> None:
 
     from osvl.agent.scripted import question_folder, tiny_agent_checkpoint
     from osvl.cluster import init_ray
+    from osvl.config import script_flags
     from osvl.rl.trainer import read_questions
 
-    steps = next((int(a.split("=", 1)[1]) for a in sys.argv[1:] if a.startswith("--steps=")), 12)
+    steps = script_flags(sys.argv[1:], {"steps": 12})[0]["steps"]
     model = tiny_agent_checkpoint()
     meter = CpuMeter()
     meter.start()

@@ -43,8 +43,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-BENCH_FLAGS = ("--groups=", "--steps=", "--every=")
-
 
 def episodes(cfg: Any, model: Path, qdir: Path, rl_rows: list[dict], held_rows: list[dict], image_dir: Path,
              seed: int) -> tuple[list[list[Any]], list[Any]]:
@@ -116,17 +114,16 @@ def kept_and_margins(model: torch.nn.Module, trajs: list[Any], image_dir: Path, 
 
 def main() -> None:
     from osvl.cluster import init_ray
-    from osvl.config import parse_args
+    from osvl.config import parse_args, script_flags
     from osvl.models.load import load_model, load_processor
     from osvl.rl.job import JOB, GRPOConfig, prepare
     from osvl.rl.learner import Learner, make_engine
     from osvl.rl.learner_loop import rank_share, reference_model, rl_batch
     from osvl.rl.trainer import heldout_questions, read_questions
 
-    args = sys.argv[1:]
-    flag = {a.split("=", 1)[0][2:]: a.split("=", 1)[1] for a in args if a.startswith(BENCH_FLAGS)}
-    n_groups, steps, every = int(flag.get("groups", 64)), int(flag.get("steps", 20)), int(flag.get("every", 5))
-    cfg = parse_args(GRPOConfig, JOB, [a for a in args if not a.startswith(BENCH_FLAGS)])
+    flag, job_args = script_flags(sys.argv[1:], {"groups": 64, "steps": 20, "every": 5}, rest=True)
+    n_groups, steps, every = flag["groups"], flag["steps"], flag["every"]
+    cfg = parse_args(GRPOConfig, JOB, job_args)
     cfg.rollout.check()
     init_ray(num_cpus=3)
     qdir, model_dir = prepare(cfg, log=lambda m: print(m, flush=True))

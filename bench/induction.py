@@ -38,13 +38,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 def main() -> None:
     import torch
 
+    from osvl.config import script_flags
     from osvl.models.load import load_model, load_processor
     from osvl.models.pretrain import FIRST_ORDINARY, copy_row, copy_score, copy_train, tie_and_scale
     from osvl.models.tiny import tiny_checkpoint
 
-    flag = {a.split("=", 1)[0][2:]: a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--") and "=" in a}
-    steps, n_vocab = int(flag.get("steps", 1500)), int(flag.get("vocab", 3700))
-    batch, scale = int(flag.get("batch", 32)), float(flag.get("scale", 5))
+    flag, _ = script_flags(sys.argv[1:], {"steps": 1500, "vocab": 3700, "batch": 32, "scale": 5.0})
+    steps, n_vocab, batch, scale = flag["steps"], flag["vocab"], flag["batch"], flag["scale"]
     torch.set_num_threads(2)
     base = tiny_checkpoint("qwen3_vl")
     tok = load_processor(base).tokenizer

@@ -52,13 +52,13 @@ def episode(rng: random.Random, gid: int, i: int, length: int, reward: float):
 def main() -> None:
     import torch
 
+    from osvl.config import script_flags
     from osvl.models.load import load_model, load_processor
     from osvl.rl.learner import Learner, RLConfig, forward_logprobs, make_engine
     from osvl.rl.learner_loop import rank_share, rl_batch
 
-    flag = {a.split("=", 1)[0][2:]: a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--") and "=" in a}
-    n_groups, size = int(flag.get("groups", 8)), int(flag.get("group_size", 4))
-    micro, repeats = int(flag.get("micro_rows", 8)), int(flag.get("repeats", 2))
+    flag, _ = script_flags(sys.argv[1:], {"groups": 8, "group_size": 4, "micro_rows": 8, "repeats": 2})
+    n_groups, size, micro, repeats = flag["groups"], flag["group_size"], flag["micro_rows"], flag["repeats"]
     torch.set_num_threads(2)
     rng = random.Random(0)
     groups = []

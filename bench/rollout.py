@@ -42,6 +42,7 @@ import torch  # noqa: E402
 from osvl.agent import scripted  # noqa: E402
 from osvl.agent.engines.hf import HFEngine  # noqa: E402
 from osvl.agent.loop import AgentConfig, run_episode  # noqa: E402
+from osvl.config import script_flags  # noqa: E402
 from osvl.tools import text_search  # noqa: E402
 from osvl.tools.base import Tool  # noqa: E402
 from osvl.tools.client import InProcessTransport, ToolClient  # noqa: E402
@@ -89,13 +90,12 @@ def engine_figures(before: dict, after: dict) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = dict(a[2:].split("=", 1) for a in (sys.argv[1:] if argv is None else argv))
-    episodes = int(args.get("episodes", 32))
-    inflight = int(args.get("inflight", 32))
-    latency = float(args.get("latency", 0.2))
-    temperature = float(args.get("temperature", 0.5))
-    torch.set_num_threads(int(args.get("threads", 1)))
-    engine = HFEngine(scripted.tiny_agent_checkpoint(), max_batch=int(args.get("max_batch", 32)))
+    args, _ = script_flags(sys.argv[1:] if argv is None else argv,
+                           {"episodes": 32, "inflight": 32, "latency": 0.2, "temperature": 0.5, "threads": 1,
+                            "max_batch": 32})
+    episodes, inflight, latency, temperature = args["episodes"], args["inflight"], args["latency"], args["temperature"]
+    torch.set_num_threads(args["threads"])
+    engine = HFEngine(scripted.tiny_agent_checkpoint(), max_batch=args["max_batch"])
     search = text_search.build_text_index(cfg=text_search.TextSearchConfig(dense_rerank=False))
     asyncio.run(run(engine, 2, 1, latency, temperature, search))  # warm-up: text_search index, first generate
     serial_n = max(4, episodes // 4)  # the baseline's rate settles after a few episodes; keep it short

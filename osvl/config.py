@@ -28,7 +28,7 @@ import os
 import sys
 import types
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal, TypeVar, get_args, get_origin, get_type_hints
 
@@ -424,6 +424,34 @@ def parse_args(cls: type[T], job: str, argv: list[str] | None = None,
     for key, value in overrides:
         cfg = apply_override(cfg, key, value)
     return cfg
+
+
+def script_flags(argv: Sequence[str], defaults: Mapping[str, Any], *,
+                 rest: bool = False) -> tuple[dict[str, Any], list[str]]:
+    """A script's own flags (``--name=value``; ``--name`` alone sets a bool), typed like their ``defaults``.
+
+    With ``rest`` the other arguments are returned for ``parse_args`` (a bench that also takes a job's
+    ``--section.key=value`` overrides); without, any other argument is a ``ConfigError``, so a mistyped
+    flag is not silently ignored.
+    """
+    flags, others = dict(defaults), []
+    for arg in argv:
+        name, eq, value = arg[2:].partition("=") if arg.startswith("--") else ("", "", "")
+        if name not in defaults:
+            others.append(arg)
+            continue
+        kind = type(defaults[name])
+        if kind is bool:
+            flags[name] = value.lower() not in ("0", "false", "no") if eq else True
+            continue
+        try:
+            flags[name] = kind(value)
+        except ValueError:
+            raise ConfigError(f"--{name}: {value!r} is not {kind.__name__}") from None
+    if others and not rest:
+        raise ConfigError(f"unknown arguments {others}; this script takes "
+                          + ", ".join(f"--{k}={v}" for k, v in defaults.items()))
+    return flags, others
 
 
 def upstream_config(cls: type[T], job: str, run: RunConfig, overrides: dict[str, Any] | None = None) -> T:

@@ -26,6 +26,7 @@ from osvl.config import (
     parse_args,
     profile_path,
     run_dir,
+    script_flags,
     to_dict,
 )
 from osvl.errors import ConfigError
@@ -591,3 +592,16 @@ def test_upstream_config_is_the_demo_profile_with_the_downstream_run_and_overrid
     got = upstream_config(SynthConfig, JOB, RunConfig(root=str(tmp_path), seed=3, name="ignored"), {"num_shards": 5})
     want = C.parse_args(SynthConfig, JOB, [f"--run.root={tmp_path}", "--run.seed=3", "--num_shards=5"])
     assert got == want and C.config_hash(got) == C.config_hash(want) and got.run.name == ""
+
+
+def test_script_flags_types_them_and_refuses_strays():
+    """A bench's own flags take the type of their default; a bare flag sets a bool; the job's overrides come
+    back for parse_args with rest=True, and without it a mistyped flag is an error, not ignored."""
+    defaults = {"steps": 25, "scale": 5.0, "modes": "a,b", "scripted": False}
+    flags, rest = script_flags(["--steps=3", "--scripted", "--rl.lr=1e-4", "--scale=0.5"], defaults, rest=True)
+    assert flags == {"steps": 3, "scale": 0.5, "modes": "a,b", "scripted": True} and rest == ["--rl.lr=1e-4"]
+    assert script_flags(["--scripted=false"], defaults)[0]["scripted"] is False
+    with pytest.raises(ConfigError, match="unknown arguments.*--step=3"):
+        script_flags(["--step=3"], defaults)
+    with pytest.raises(ConfigError, match="--steps: 'x' is not int"):
+        script_flags(["--steps=x"], defaults)
