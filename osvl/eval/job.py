@@ -39,7 +39,7 @@ from osvl.config import RunConfig, from_dict, opt, to_dict
 from osvl.endpoint import EndpointConfig
 from osvl.errors import ConfigError, DataError
 from osvl.logs import Progress
-from osvl.tools.text_search import AGENT_ENVIRONMENT, TextSearchConfig
+from osvl.tools.text_search import TextSearchConfig
 
 logger = logging.getLogger(__name__)
 
@@ -68,9 +68,9 @@ class EvalConfig:
     alias_set: str = opt("", "Tool-name alias set of a released checkpoint ('opensearch-vl': web_search, "
                              "layout_parsing and its question prefix); empty = osvl's names.")
     rag_top_k: int = opt(3, "top_k of the rag mode's image and text search.")
-    text_search: TextSearchConfig = opt(AGENT_ENVIRONMENT, "text_search's settings (inprocess tools): the search "
-                                        "engine the model was trained with (the GRPO job's rollout.text_search; "
-                                        "dense_rerank: MiniLM re-rank of the BM25 hits, slow on CPU).")
+    text_search: TextSearchConfig = opt(
+        TextSearchConfig, "text_search's settings (inprocess tools): the search engine the model was trained with "
+        "(the GRPO job's rollout.text_search; dense_rerank: MiniLM re-rank of the BM25 hits, slow on CPU).")
     agent: AgentConfig = opt(AgentConfig(max_turns=6, max_new_tokens=128, max_episode_tokens=3072, temperature=0.0),
                              "Agent budgets (agentic mode; direct and rag use one turn of the same budgets).")
     judge: str = opt("rule", "Answer judge: rule, or llm (the endpoint below; the rule judge runs too and the "

@@ -39,7 +39,7 @@ from osvl.agent.loop import AgentConfig
 from osvl.agent.reward import RewardConfig
 from osvl.config import opt
 from osvl.endpoint import EndpointConfig
-from osvl.tools.text_search import AGENT_ENVIRONMENT, TextSearchConfig
+from osvl.tools.text_search import TextSearchConfig
 
 
 @dataclass
@@ -62,10 +62,10 @@ class RolloutConfig:
     schemas: str = opt("", "JSON file with the tool schemas to show the policy (a list of OpenAI-style function "
                            "schemas, e.g. the shorter descriptions a model was fine-tuned with); empty = the "
                            "registry's. Calls still run the registered tools.")
-    text_search: TextSearchConfig = opt(AGENT_ENVIRONMENT, "text_search's settings for in-process tools (rollouts "
-                                        "and held-out evaluation): those the SFT records were made with, which "
-                                        "the GRPO job hands to the trajectories job it runs. With tools=handle the "
-                                        "Serve app's settings apply (serve/).")
+    text_search: TextSearchConfig = opt(
+        TextSearchConfig, "text_search's settings for in-process tools (rollouts and held-out evaluation): those the "
+        "SFT records were made with, which the GRPO job hands to the trajectories job it runs. With tools=handle the "
+        "Serve app's settings apply (serve/).")
     tool_latency_s: float = opt(0.0, "Extra simulated latency added to every tool call (benchmarks), seconds.")
     agent: AgentConfig = opt(AgentConfig, "Budgets and fatal-step rules of every episode (the section the "
                              "trajectories job's agent: is).")

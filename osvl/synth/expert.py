@@ -57,7 +57,7 @@ from osvl.config import RunConfig, from_dict, input_path, opt, run_dir, to_dict
 from osvl.endpoint import EndpointConfig
 from osvl.errors import ConfigError, DataError, EndpointUnavailable
 from osvl.models.tiny import checkpoint_name
-from osvl.tools.text_search import AGENT_ENVIRONMENT, TextSearchConfig
+from osvl.tools.text_search import TextSearchConfig
 
 logger = logging.getLogger(__name__)
 
@@ -74,9 +74,9 @@ class TeacherOptions:
 
 @dataclass
 class ToolOptions:
-    text_search: TextSearchConfig = opt(AGENT_ENVIRONMENT, "text_search's settings: the search engine the "
-                                        "records show, which the policy's rollouts and evaluation must use too "
-                                        "(the GRPO job passes its rollout.text_search here).")
+    text_search: TextSearchConfig = opt(
+        TextSearchConfig, "text_search's settings: the search engine the records show, which the policy's rollouts "
+        "and evaluation must use too (the GRPO job passes its rollout.text_search here).")
     cache: str = opt("replay", "Tool record/replay cache mode (osvl.tools.cache): the rollouts of one question "
                                "run one after another, so the later ones replay the first one's image search.",
                      hashed=False)

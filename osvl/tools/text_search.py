@@ -95,7 +95,9 @@ class TextSearchConfig:
                                     "parts of one article, e.g. a fact and the article linking to it).")
     coverage: float = opt(0.5, "Share of an entity's score scaled by the idf-weighted share of the query's words "
                                "found in its retrieved passages (0 = plain BM25 of its best passages).")
-    dense_rerank: bool = opt(True, "Re-rank the best entities with the packaged MiniLM sentence embedder.")
+    dense_rerank: bool = opt(False, "Re-rank the best entities with the packaged MiniLM sentence embedder. Off by "
+                                    "default: the agent's environment (its records, rollouts, evaluation and "
+                                    "service) is BM25 alone, which ranks the oracle's verbatim clause queries first.")
     rerank_depth: int = opt(30, "Entities re-ranked densely (BM25 recall of the gold entity: 0.79 at 10, "
                                 "0.84 at 20, on 200 descriptions).")
     dense_weight: float = opt(0.85, "Weight of the z-scored cosine against the z-scored BM25 score (v1 index: "
@@ -507,17 +509,15 @@ def _build_default(cfg: TextSearchConfig) -> Any:
 
 
 DEFAULT = LazyBackend(_build_default, TextSearchConfig())
+"""The backend of calls that bring none. Its settings, ``TextSearchConfig()``, are the agent's environment:
+the trajectories job's records, the GRPO rollouts, the held-out evaluation, the agent service and
+``jobs/ask.py`` must all see one search engine (the GRPO job hands its ``rollout.text_search`` to the
+trajectories job it runs), or a policy that writes the demonstrated queries reads other hits than it was
+shown (docs/design.md, "One search engine for records, rollouts and evaluation"). A job that changes them
+says so in its own ``text_search`` field."""
 configure = DEFAULT.configure  # set the default backend's config (dropping one already built, if it differs)
 default_backend_id = DEFAULT.backend_id  # the record/replay cache key part for calls without a backend
 default_backend = DEFAULT.get
-
-AGENT_ENVIRONMENT = TextSearchConfig(dense_rerank=False)
-"""The default search settings of the agent's environment: the trajectories job's records, the GRPO
-rollouts and the held-out evaluation, which must all see one search engine (the GRPO job hands its
-``rollout.text_search`` to the trajectories job it runs), or a policy that writes the demonstrated
-queries reads other hits than it was shown (docs/design.md, "One search engine for records, rollouts
-and evaluation"). BM25 only: the oracle writes its queries as the question's clauses verbatim, which
-BM25 ranks first, and the re-rank costs CPU on every query."""
 
 
 def format_hits(query: str, hits: list[TextHit]) -> str:
