@@ -319,7 +319,7 @@ def test_configuring_the_same_search_settings_again_keeps_the_built_index(tmp_pa
 def test_dense_rerank_is_at_least_as_good_as_bm25(small_index):
     """MiniLM re-rank of the 10 best entities, on 40 descriptions of the 300-entity index."""
     ents, bm25 = small_index
-    dense = TextIndex.build(ents, TextSearchConfig(exclude_fields=["description"], rerank_depth=10))
+    dense = TextIndex.build(ents, TextSearchConfig(exclude_fields=["description"], dense_rerank=True, rerank_depth=10))
     queries = [e for e in ents if len(e["description"].split()) >= 2][:40]
     top = {"bm25": 0, "dense": 0}
     for e in queries:
@@ -345,7 +345,8 @@ def test_text_search_acceptance_unique_descriptions(tmp_path_factory):
         pytest.skip("KG sample not built yet")
     os.environ.setdefault("OSVL_CACHE", str(tmp_path_factory.mktemp("cache")))
     # dense_recall embeds all ~12.6k entities once (cached beside the index): minutes of CPU on a cold cache
-    index = build_text_index(SAMPLE_DIR, exclude_fields=["description"], cfg=TextSearchConfig(dense_recall=10))
+    index = build_text_index(SAMPLE_DIR, exclude_fields=["description"],
+                             cfg=TextSearchConfig(dense_rerank=True, dense_recall=10))
     assert index.dense is not None and index.dense.shape == (len(index.titles), 384)
     ents = pq.read_table(SAMPLE_DIR / "entities.parquet", columns=["title", "description"]).to_pylist()
     count = collections.Counter(e["description"] for e in ents)
