@@ -34,9 +34,9 @@ def micro_batches(groups: Sequence[Sequence[Any]], cfg: RLConfig) -> list[list[S
     ``rl.micro_rows`` trainable rows (a larger group is one micro-batch; 0: all in one).
 
     Rows of similar length share a micro-batch, so little is padded, and a forward/backward
-    works on a few rows at a time: on the demo's 32-row steps (8 groups of 4, 1,600-3,200
-    tokens) one padded batch took 3x the CPU time of four sorted micro-batches of 8
-    (docs/measurements.md). Groups stay whole because the advantages are per group.
+    works on a few rows at a time: on CPU a step of 32 long rows in one padded batch cost
+    several times its sorted micro-batches (docs/measurements.md, ``bench/learner.py``).
+    Groups stay whole because the advantages are per group.
     """
     def rows(g: Sequence[Any]) -> list[Any]:
         return [tr for tr in g if _trainable(tr, cfg)]
