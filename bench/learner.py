@@ -35,11 +35,12 @@ def episode(rng: random.Random, gid: int, i: int, length: int, reward: float):
     """A policy record of about ``length`` tokens: a 300-token prompt, then turns of 60 generated tokens
     each followed by a 240-token tool answer (the demo episodes' shape, not their text)."""
     from osvl.agent.trajectory import Trajectory
+    from osvl.models.pretrain import FIRST_ORDINARY
 
-    ids, gen, step = [rng.randrange(200, 3900) for _ in range(300)], [0] * 300, [-1] * 300
+    ids, gen, step = [rng.randrange(FIRST_ORDINARY, 3900) for _ in range(300)], [0] * 300, [-1] * 300
     turn = 0
     while len(ids) < length:
-        ids += [rng.randrange(200, 3900) for _ in range(300)]
+        ids += [rng.randrange(FIRST_ORDINARY, 3900) for _ in range(300)]
         gen += [1] * 60 + [0] * 240
         step += [turn] * 60 + [-1] * 240
         turn += 1

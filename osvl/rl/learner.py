@@ -316,12 +316,12 @@ class Learner:
             n = float(rows.sum()) if live else 0.0
             totals += torch.tensor([float(sl.out.loss.detach()), float(sl.out.policy_loss), float(sl.out.kl),
                                     token_entropy(logits, rows) * n, n], dtype=torch.float64)
-            m = float(sl.mask.sum())
+            m, g = float(sl.mask.sum()), int(batch["gen_mask"].sum())
             clipped += float(sl.out.clip_fraction) * m
             trained += m
-            generated += float(batch["gen_mask"].sum())
+            generated += g
             clamped, kept, n_fatal = clamped + sl.clamped, kept + sl.kept_positive, n_fatal + sl.n_fatal
-            tokens += int(batch["gen_mask"].sum()) if live else 0
+            tokens += g if live else 0
             finite = finite and bool(torch.isfinite(sl.out.loss))
             self.engine.backward(sl.out.loss * world)
         reported = _sum_ranks(totals)

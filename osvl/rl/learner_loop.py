@@ -38,13 +38,11 @@ def micro_batches(groups: Sequence[Sequence[Any]], cfg: RLConfig) -> list[list[S
     several times its sorted micro-batches (docs/measurements.md, ``bench/learner.py``).
     Groups stay whole because the advantages are per group.
     """
-    def rows(g: Sequence[Any]) -> list[Any]:
-        return [tr for tr in g if _trainable(tr, cfg)]
-
+    trainable = [(g, [len(tr.input_ids) for tr in g if _trainable(tr, cfg)]) for g in groups]
     out: list[list[Sequence[Any]]] = []
     size = 0
-    for g in sorted((g for g in groups if rows(g)), key=lambda g: max(len(tr.input_ids) for tr in rows(g))):
-        n = len(rows(g))
+    for g, lengths in sorted(((g, ls) for g, ls in trainable if ls), key=lambda pair: max(pair[1])):
+        n = len(lengths)
         if not out or (cfg.micro_rows and size + n > cfg.micro_rows):
             out.append([])
             size = 0
