@@ -287,6 +287,28 @@ class Answers:
         return f"<think>sure</think>\n<response>{self.text}</response>"
 
 
+@pytest.mark.slow
+def test_heldout_scores_split_over_workers_come_back_in_question_order(tmp_path, ray_cluster):
+    import json as _json
+
+    from osvl.agent.loop import AgentConfig
+    from osvl.agent.scripted import question_folder, tiny_agent_checkpoint
+    from osvl.rl.rollout import RolloutConfig, heldout_scores
+
+    qdir = question_folder(tmp_path / "q")
+    rows = pq.read_table(qdir / "heldout.parquet").to_pylist()
+    for row in rows[len(rows) // 2:]:  # the second half's references are wrong: a pattern that a shuffle breaks
+        row["answer"] = "no such answer"
+    cfg = RolloutConfig(offer=["crop", "text_search"], schemas=str(qdir / "schemas.json"),
+                        agent=AgentConfig(max_turns=3, max_new_tokens=64, max_episode_tokens=2048))
+    model = tiny_agent_checkpoint()
+    one = heldout_scores(model, rows, qdir / "images", cfg, modes=("agentic", "direct"))
+    three = heldout_scores(model, rows, qdir / "images", cfg, modes=("agentic", "direct"), workers=3)
+    assert three == one, _json.dumps({"one": one, "three": three})
+    half = len(rows) // 2
+    assert len(one["agentic"]) == len(rows) and sum(one["agentic"][half:]) == 0 and sum(one["agentic"][:half]) >= 2
+
+
 def test_an_unreachable_llm_judge_marks_the_item_judge_failed_not_wrong():
     import asyncio
 

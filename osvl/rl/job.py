@@ -46,7 +46,13 @@ EVAL_MODES = ("agentic", "direct")  # direct: one turn, no tools (what the polic
 class EvalConfig:
     n_heldout: int = opt(50, "Held-out questions for greedy Pass@1 after SFT and after GRPO (0 skips it), dealt "
                              "round-robin over seed entities (osvl.rl.trainer.heldout_questions).")
-    concurrency: int = opt(16, "Evaluation episodes in flight.", hashed=False)
+    concurrency: int = opt(16, "Evaluation episodes in flight, per worker.", hashed=False)
+    workers: int = opt(0, "Evaluation tasks side by side, each with one rollout actor's resources and a contiguous "
+                          "share of the questions; 0 = rollout.num_actors (no actor rolls out while held-out "
+                          "questions are scored, so their resources are free).", hashed=False)
+
+    def n_workers(self, rollout: RolloutConfig) -> int:
+        return self.workers or rollout.num_actors
 
 
 @dataclass
@@ -144,7 +150,8 @@ def run(cfg: GRPOConfig, log: Callable[[str], None] = logger.info) -> dict[str, 
     if heldout and sft_eval.is_file():
         before = json.loads(sft_eval.read_text()).get("scores")  # None: a run folder of an older version
     elif heldout and not (out / "checkpoints").is_dir():
-        before = heldout_scores(model, heldout, qdir / "images", cfg.rollout, cfg.eval.concurrency, EVAL_MODES)
+        before = heldout_scores(model, heldout, qdir / "images", cfg.rollout, cfg.eval.concurrency, EVAL_MODES,
+                                cfg.eval.n_workers(cfg.rollout))
         agentic, direct = (sum(before[m]) / len(heldout) for m in EVAL_MODES)
         log(f"grpo: held-out Pass@1 after SFT (greedy, {len(heldout)} questions): {agentic:.3f} "
             f"(direct, no tools: {direct:.3f})")
@@ -170,7 +177,7 @@ def run(cfg: GRPOConfig, log: Callable[[str], None] = logger.info) -> dict[str, 
             after = kept["scores"]
         else:
             after = heldout_scores(Path(res["checkpoint"]) / "hf", heldout, qdir / "images", cfg.rollout,
-                                   cfg.eval.concurrency, EVAL_MODES)
+                                   cfg.eval.concurrency, EVAL_MODES, cfg.eval.n_workers(cfg.rollout))
             grpo_eval.write_text(json.dumps({"checkpoint": name, "scores": after}))
     held = heldout_report(heldout, before, after)
     st = res["buffer"]

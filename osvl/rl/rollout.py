@@ -321,23 +321,29 @@ async def _eval_episodes(model_dir: str, questions: list[dict[str, Any]], image_
 
 def heldout_scores(model_dir: str | Path, questions: list[dict[str, Any]], image_dir: str | Path,
                    cfg: RolloutConfig, concurrency: int = 16,
-                   modes: tuple[str, ...] = ("agentic",)) -> dict[str, list[float]]:
+                   modes: tuple[str, ...] = ("agentic",), workers: int = 1) -> dict[str, list[float]]:
     """Greedy per-question scores (1 correct, 0 not; rule judge) of ``model_dir`` on ``questions`` in each eval
     mode (``agentic``: the rollouts' budgets and offered tools; ``direct``: one turn, no tools), through the
     evaluator's per-item core (``osvl.agent.evaluate``). Pass@1 is their mean; the scores themselves are what
     a paired, seed-clustered comparison of two models needs (``osvl.rl.report.clustered_mean_se``).
 
-    The engine runs in a Ray task with the rollout actors' resources (a GPU node in production),
-    never in the driver, which runs on the CPU-only head.
+    The engine runs in Ray tasks with the rollout actors' resources (a GPU node in production),
+    never in the driver, which runs on the CPU-only head. ``workers`` tasks each take a contiguous
+    share of the questions: the evaluation runs while no rollout actor holds those resources, and one
+    CPU engine thread leaves the machine's other cores idle (bench/heldout_eval.py).
     """
     import ray
 
     from osvl.cluster import role_resources
 
-    def evaluate(model: str, images: str) -> dict[str, list[float]]:
-        return asyncio.run(_eval_episodes(str(storage.attach(model)), questions, str(storage.attach(images)), cfg,
+    def evaluate(model: str, images: str, share: list[dict[str, Any]]) -> dict[str, list[float]]:
+        return asyncio.run(_eval_episodes(str(storage.attach(model)), share, str(storage.attach(images)), cfg,
                                           concurrency, modes))
 
     task = ray.remote(evaluate).options(name="heldout_eval", num_cpus=cfg.cpus_per_actor, num_gpus=cfg.num_gpus,
                                         resources=role_resources("rollout", cfg.role_units), max_retries=1)
-    return ray.get(task.remote(storage.location(model_dir), storage.location(image_dir)))
+    n = max(1, min(workers, len(questions)))
+    bounds = [len(questions) * i // n for i in range(n + 1)]
+    parts = ray.get([task.remote(storage.location(model_dir), storage.location(image_dir), questions[a:b])
+                     for a, b in zip(bounds[:-1], bounds[1:], strict=True)])
+    return {mode: [x for part in parts for x in part[mode]] for mode in modes}
