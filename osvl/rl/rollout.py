@@ -328,9 +328,10 @@ def heldout_scores(model_dir: str | Path, questions: list[dict[str, Any]], image
     a paired, seed-clustered comparison of two models needs (``osvl.rl.report.clustered_mean_se``).
 
     The engine runs in Ray tasks with the rollout actors' resources (a GPU node in production),
-    never in the driver, which runs on the CPU-only head. ``workers`` tasks each take a contiguous
-    share of the questions: the evaluation runs while no rollout actor holds those resources, and one
-    CPU engine thread leaves the machine's other cores idle (bench/heldout_eval.py).
+    never in the driver, which runs on the CPU-only head. ``workers`` tasks each score a contiguous
+    share of the questions: no rollout actor holds those resources while the job scores, and on CPU a
+    task runs one engine thread per CPU it holds, so one task left the other cores idle
+    (bench/heldout_eval.py).
     """
     import ray
 
