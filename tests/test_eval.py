@@ -275,18 +275,6 @@ def test_grpo_pass_at_1_and_sft_format_check_run_through_the_core(questions, mon
     assert format_check(str(model), qdir / "sft.parquet", 2, ["image_search", "text_search"]) == 0.0
 
 
-class Answers:
-    """A chat model that always answers ``text`` (the harness, not a model, is under test)."""
-
-    name = "answers"
-
-    def __init__(self, text: str) -> None:
-        self.text = text
-
-    async def chat(self, messages, images, sampling) -> str:
-        return f"<think>sure</think>\n<response>{self.text}</response>"
-
-
 @pytest.mark.slow
 def test_heldout_scores_split_over_workers_come_back_in_question_order(tmp_path, ray_cluster):
     import json as _json
@@ -307,6 +295,18 @@ def test_heldout_scores_split_over_workers_come_back_in_question_order(tmp_path,
     assert three == one, _json.dumps({"one": one, "three": three})
     half = len(rows) // 2
     assert len(one["agentic"]) == len(rows) and sum(one["agentic"][half:]) == 0 and sum(one["agentic"][:half]) >= 2
+
+
+class Answers:
+    """A chat model that always answers ``text`` (the harness, not a model, is under test)."""
+
+    name = "answers"
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+    async def chat(self, messages, images, sampling) -> str:
+        return f"<think>sure</think>\n<response>{self.text}</response>"
 
 
 def test_an_unreachable_llm_judge_marks_the_item_judge_failed_not_wrong():
