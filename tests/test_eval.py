@@ -277,8 +277,6 @@ def test_grpo_pass_at_1_and_sft_format_check_run_through_the_core(questions, mon
 
 @pytest.mark.slow
 def test_heldout_scores_split_over_workers_come_back_in_question_order(tmp_path, ray_cluster):
-    import json as _json
-
     from osvl.agent.loop import AgentConfig
     from osvl.agent.scripted import question_folder, tiny_agent_checkpoint
     from osvl.rl.rollout import RolloutConfig, heldout_scores
@@ -292,7 +290,7 @@ def test_heldout_scores_split_over_workers_come_back_in_question_order(tmp_path,
     model = tiny_agent_checkpoint()
     one = heldout_scores(model, rows, qdir / "images", cfg, modes=("agentic", "direct"))
     three = heldout_scores(model, rows, qdir / "images", cfg, modes=("agentic", "direct"), workers=3)
-    assert three == one, _json.dumps({"one": one, "three": three})
+    assert three == one, json.dumps({"one": one, "three": three})
     half = len(rows) // 2
     assert len(one["agentic"]) == len(rows) and sum(one["agentic"][half:]) == 0 and sum(one["agentic"][:half]) >= 2
 
