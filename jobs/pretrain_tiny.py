@@ -31,16 +31,16 @@ from osvl.logs import start_job  # noqa: E402
 from osvl.models.pretrain import BASE_KIND, JOB, PretrainConfig, corpus_rows, export, train, turns_text  # noqa: E402
 
 
-def demo_trajectories(run: Any, grpo_profile: str, split: str, n: int,
+def demo_trajectories(run: Any, grpo: Any, split: str, n: int,
                       synth: dict[str, Any] | None = None) -> tuple[Path, set[str]]:
     """The oracle's trajectories (one rollout each) of the first ``n`` (0: every) questions of ``split`` under the
-    GRPO profile's data recipe (its ``synth`` and ``trajectories`` sections; ``synth``, when given, replaces the
-    former: a card's record of the recipe its policy was made with), built or reused under ``run.root``, and the
-    titles of the held-out split's entities. The committed policy's test rebuilds its probe with it."""
+    data recipe of ``grpo`` (a GRPO profile's config, ``grpo_recipe``: its ``synth`` and ``trajectories``
+    sections; ``synth``, when given, replaces the former: a card's record of the recipe its policy was made
+    with), built or reused under ``run.root``, and the titles of the held-out split's entities. The committed
+    policy's test rebuilds its probe with it."""
     from osvl.config import upstream_config
     from osvl.synth import expert, pipeline
 
-    grpo = grpo_recipe(grpo_profile)
     scfg = upstream_config(pipeline.SynthConfig, pipeline.JOB, run, grpo.synth if synth is None else synth)
     qdir, _ = pipeline.run(scfg)
     tcfg = upstream_config(expert.TrajConfig, expert.JOB, run, {
@@ -70,10 +70,11 @@ def main(argv: list[str] | None = None) -> dict:
     cfg.check()
     base = Path(cfg.init) if cfg.init else tiny_checkpoint(BASE_KIND)
     tok = load_processor(base).tokenizer
-    tpath, held = demo_trajectories(cfg.run, cfg.grpo_profile, "sft", 0)
+    grpo = grpo_recipe(cfg.grpo_profile)
+    tpath, held = demo_trajectories(cfg.run, grpo, "sft", 0)
     probe = []
     if cfg.probe_questions:  # whole held-out trajectories, to read, never to train on
-        ppath, _ = demo_trajectories(cfg.run, cfg.grpo_profile, "heldout", cfg.probe_questions)
+        ppath, _ = demo_trajectories(cfg.run, grpo, "heldout", cfg.probe_questions)
         probe = corpus_rows(read_trajectories(ppath), tok, set(), 1 << 16)
     out = run_dir(cfg, JOB)
     if (out / "report.json").is_file() and (out / "model").is_dir():  # finished: rerun to export, not to train
@@ -88,7 +89,7 @@ def main(argv: list[str] | None = None) -> dict:
         # the recipe as trained on: the profile may change before a later rerun exports this run
         report = train(cfg, rows, base, out, extra={"trajectories": str(tpath.parent), "heldout_entities": len(held),
                                                  "rows_over_max_len": n_cut,
-                                                 "synth": grpo_recipe(cfg.grpo_profile).synth},
+                                                 "synth": grpo.synth},
                        probe=probe)
     print(f"pretrain_tiny: {report['rows']} rows ({report['tokens']:,} tokens; {len(held)} held-out entities cut "
           f"out; {n_cut} rows cut at max_len={cfg.max_len}), {cfg.steps} steps in {report['seconds'] / 60:.1f} min, "

@@ -207,7 +207,7 @@ def test_the_committed_policy_reproduces_its_documented_heldout_loss(ray_cluster
     """The demo's base, ``osvl/models/weights/tiny_policy``: float16 and small, the tiny model's tokenizer, and on
     the oracle's trajectories of the held-out questions (rebuilt here with the job's own function; the job's
     corpus cut every held-out passage out) the loss its card and data card state."""
-    from jobs.pretrain_tiny import demo_trajectories
+    from jobs.pretrain_tiny import demo_trajectories, grpo_recipe
     from osvl.agent.trajectory import read_trajectories
     from osvl.config import RunConfig
 
@@ -217,7 +217,7 @@ def test_the_committed_policy_reproduces_its_documented_heldout_loss(ray_cluster
     tok = load_processor(pretrain.POLICY).tokenizer
     assert tok.get_vocab() == load_processor(tiny.tiny_checkpoint(pretrain.BASE_KIND)).tokenizer.get_vocab()
     model = load_model(pretrain.POLICY, dtype="float32", device="cpu").eval()
-    path, held = demo_trajectories(RunConfig(root=str(tmp_path)), card["grpo_profile"], "heldout",
+    path, held = demo_trajectories(RunConfig(root=str(tmp_path)), grpo_recipe(card["grpo_profile"]), "heldout",
                                    card["heldout_questions"], card["synth"])
     rows = pretrain.corpus_rows(read_trajectories(path), tok, set(), 1 << 16)
     assert len(rows) >= 0.8 * card["heldout_questions"] and held  # the questions the oracle got right
