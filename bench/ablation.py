@@ -72,7 +72,7 @@ def one_run(cfg, mode: str, seed: int, model: Path, qdir: Path, questions: list[
     pass1 = float("nan")
     if heldout and res["checkpoint"]:
         scores = heldout_scores(Path(res["checkpoint"]) / "hf", heldout, qdir / "images", cfg.rollout,
-                                cfg.eval.concurrency, workers=cfg.eval.n_workers(cfg.rollout))["agentic"]
+                                cfg.eval.concurrency, workers=cfg.eval.workers)["agentic"]
         pass1 = statistics.fmean(scores)
     split = s["clamped"] + s["kept_positive"]
     return {"mode": mode, "seed": seed, "rewards": [r["reward"] for r in res["rows"]], "reward_last10": s["last_mean"],
@@ -114,7 +114,7 @@ def main() -> None:
     pass1_sft = None
     if heldout:
         scores = heldout_scores(model, heldout, qdir / "images", cfg.rollout, cfg.eval.concurrency,
-                                workers=cfg.eval.n_workers(cfg.rollout))["agentic"]
+                                workers=cfg.eval.workers)["agentic"]
         pass1_sft = statistics.fmean(scores)
     print(f"ablation: {len(modes)} modes x {seeds} seeds x {steps} steps, {len(questions)} RL questions, "
           f"{len(heldout)} held-out; policy {model}; held-out Pass@1 after SFT {pass1_sft}", flush=True)

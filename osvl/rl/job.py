@@ -51,9 +51,6 @@ class EvalConfig:
                           "share of the questions; 0 = rollout.num_actors (no actor rolls out while held-out "
                           "questions are scored, so their resources are free).", hashed=False)
 
-    def n_workers(self, rollout: RolloutConfig) -> int:
-        return self.workers or rollout.num_actors
-
 
 @dataclass
 class GRPOConfig:
@@ -151,7 +148,7 @@ def run(cfg: GRPOConfig, log: Callable[[str], None] = logger.info) -> dict[str, 
         before = json.loads(sft_eval.read_text()).get("scores")  # None: a run folder of an older version
     elif heldout and not (out / "checkpoints").is_dir():
         before = heldout_scores(model, heldout, qdir / "images", cfg.rollout, cfg.eval.concurrency, EVAL_MODES,
-                                cfg.eval.n_workers(cfg.rollout))
+                                cfg.eval.workers)
         agentic, direct = (sum(before[m]) / len(heldout) for m in EVAL_MODES)
         log(f"grpo: held-out Pass@1 after SFT (greedy, {len(heldout)} questions): {agentic:.3f} "
             f"(direct, no tools: {direct:.3f})")
@@ -177,7 +174,7 @@ def run(cfg: GRPOConfig, log: Callable[[str], None] = logger.info) -> dict[str, 
             after = kept["scores"]
         else:
             after = heldout_scores(Path(res["checkpoint"]) / "hf", heldout, qdir / "images", cfg.rollout,
-                                   cfg.eval.concurrency, EVAL_MODES, cfg.eval.n_workers(cfg.rollout))
+                                   cfg.eval.concurrency, EVAL_MODES, cfg.eval.workers)
             grpo_eval.write_text(json.dumps({"checkpoint": name, "scores": after}))
     held = heldout_report(heldout, before, after)
     st = res["buffer"]

@@ -321,17 +321,17 @@ async def _eval_episodes(model_dir: str, questions: list[dict[str, Any]], image_
 
 def heldout_scores(model_dir: str | Path, questions: list[dict[str, Any]], image_dir: str | Path,
                    cfg: RolloutConfig, concurrency: int = 16,
-                   modes: tuple[str, ...] = ("agentic",), workers: int = 1) -> dict[str, list[float]]:
+                   modes: tuple[str, ...] = ("agentic",), workers: int = 0) -> dict[str, list[float]]:
     """Greedy per-question scores (1 correct, 0 not; rule judge) of ``model_dir`` on ``questions`` in each eval
     mode (``agentic``: the rollouts' budgets and offered tools; ``direct``: one turn, no tools), through the
     evaluator's per-item core (``osvl.agent.evaluate``). Pass@1 is their mean; the scores themselves are what
     a paired, seed-clustered comparison of two models needs (``osvl.rl.report.clustered_mean_se``).
 
     The engine runs in Ray tasks with the rollout actors' resources (a GPU node in production),
-    never in the driver, which runs on the CPU-only head. ``workers`` tasks each score a contiguous
-    share of the questions: no rollout actor holds those resources while the job scores, and on CPU a
-    task runs one engine thread per CPU it holds, so one task left the other cores idle
-    (bench/heldout_eval.py).
+    never in the driver, which runs on the CPU-only head. ``workers`` tasks (0: one per rollout actor)
+    each score a contiguous share of the questions: no rollout actor holds those resources while the
+    job scores, and on CPU a task runs one engine thread per CPU it holds, so one task left the other
+    cores idle (bench/heldout_eval.py).
     """
     import ray
 
@@ -343,8 +343,8 @@ def heldout_scores(model_dir: str | Path, questions: list[dict[str, Any]], image
 
     task = ray.remote(evaluate).options(name="heldout_eval", num_cpus=cfg.cpus_per_actor, num_gpus=cfg.num_gpus,
                                         resources=role_resources("rollout", cfg.role_units), max_retries=1)
-    n = max(1, min(workers, len(questions)))
+    n = max(1, min(workers or cfg.num_actors, len(questions)))
     bounds = [len(questions) * i // n for i in range(n + 1)]
-    parts = ray.get([task.remote(storage.location(model_dir), storage.location(image_dir), questions[a:b])
-                     for a, b in zip(bounds[:-1], bounds[1:], strict=True)])
+    model, images = storage.location(model_dir), storage.location(image_dir)
+    parts = ray.get([task.remote(model, images, questions[a:b]) for a, b in zip(bounds[:-1], bounds[1:], strict=True)])
     return {mode: [x for part in parts for x in part[mode]] for mode in modes}
