@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
@@ -30,8 +30,12 @@ from osvl.errors import ConfigError  # noqa: E402
 from osvl.logs import start_job  # noqa: E402
 from osvl.models.pretrain import BASE_KIND, JOB, PretrainConfig, corpus_rows, export, train, turns_text  # noqa: E402
 
+if TYPE_CHECKING:
+    from osvl.config import RunConfig
+    from osvl.rl.job import GRPOConfig
 
-def demo_trajectories(run: Any, grpo: Any, split: str, n: int,
+
+def demo_trajectories(run: RunConfig, grpo: GRPOConfig, split: str, n: int,
                       synth: dict[str, Any] | None = None) -> tuple[Path, set[str]]:
     """The oracle's trajectories (one rollout each) of the first ``n`` (0: every) questions of ``split`` under the
     data recipe of ``grpo`` (a GRPO profile's config, ``grpo_recipe``: its ``synth`` and ``trajectories``
@@ -49,7 +53,7 @@ def demo_trajectories(run: Any, grpo: Any, split: str, n: int,
     return expert.run(tcfg)[0] / "trajectories.parquet", pipeline.split_titles(scfg, "heldout")
 
 
-def grpo_recipe(grpo_profile: str) -> Any:
+def grpo_recipe(grpo_profile: str) -> GRPOConfig:
     """The GRPO profile's config: its ``synth`` and ``trajectories`` sections are the demo's data recipe."""
     from osvl.config import parse_args
     from osvl.rl.job import GRPOConfig
