@@ -334,3 +334,36 @@ def test_look_up_top_k_leaves_one_result_to_read_the_answer_from(questions):
         looked += 1
         read_there += look is calls[-1] and find_span(traj.final_answer.strip(), look.observation) is not None
     assert looked >= 8 and read_there >= looked // 2
+
+
+def test_recall_answers_matching_questions_at_once_and_nothing_else_changes(questions):
+    """recall: a question that recall_match finds is answered in the first turn, with the path's answer (which the
+    judge accepts), for about ``recall`` of them by a draw per question that the seed moves; every other question
+    gets the same first turn as without the option. A pattern that is not a regular expression fails typed."""
+    from osvl.agent.teacher import OracleConfig
+    from osvl.errors import ConfigError
+
+    rows = pq.read_table(questions / "sft.parquet").to_pylist()
+    keys = sorted({r["answer_key"] for r in rows})
+    remembered = keys[: max(1, len(keys) // 2)]
+    pattern = "^what is the (" + "|".join(re.escape(k) for k in remembered) + ") of "
+    plain = OracleConfig(wording="fixed", reorder_prob=0.0, copy_space=True)
+    recall = OracleConfig(wording="fixed", reorder_prob=0.0, copy_space=True, recall=0.5, recall_match=pattern)
+    answered = {0: 0, 1: 0}
+    for row in rows:
+        msgs = [{"role": "user", "content": row["question"], "images": ["img_1"]}]
+        for seed in answered:
+            turn = parse_turn(PathOracle(row, seed=seed, cfg=recall).next_turn(msgs), TOOL_NAMES)
+            if turn.action == "response":
+                assert row["answer_key"] in remembered
+                assert answer_reward(turn.response, row["answer"], row.get("answer_aliases") or ()) == 1.0
+                answered[seed] += 1
+            else:
+                assert turn == parse_turn(PathOracle(row, seed=seed, cfg=plain).next_turn(msgs), TOOL_NAMES)
+    n = sum(r["answer_key"] in remembered for r in rows)
+    assert 0 < answered[0] < n and 0 < answered[1] < n  # a draw, not every matching question
+    always = OracleConfig(recall=1.0)  # every question
+    assert all(parse_turn(PathOracle(r, cfg=always).next_turn([{"role": "user", "content": r["question"]}]),
+                          TOOL_NAMES).action == "response" for r in rows)
+    with pytest.raises(ConfigError, match="recall_match"):
+        PathOracle(rows[0], cfg=OracleConfig(recall=0.5, recall_match="(unclosed"))

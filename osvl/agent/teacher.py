@@ -41,7 +41,7 @@ import numpy as np
 from osvl.agent.engines.base import Sampling
 from osvl.chat import assistant_text, parse_turn
 from osvl.config import opt
-from osvl.errors import DataError, ParseError
+from osvl.errors import ConfigError, DataError, ParseError
 
 GIVE_UP = "I could not find the answer with the tools."
 """The oracle's response when the path breaks; never judged correct, so it never reaches SFT data."""
@@ -90,13 +90,25 @@ class OracleConfig:
                "spells it ('... Field: Zoology, medicine, botany'): the answer is then read at its key, the way a "
                "small student copies a value after 'key:', and copied again from the quote. The thought starts "
                "as without it, so the decision to answer is its first word, not the key.")
+    recall: float = opt(
+        0.0, "Chance that the teacher answers a question that recall_match finds from memory, in its first turn, "
+             "without a tool: the one place it says what the conversation does not show (the path's answer). A "
+             "large teacher does this for facts it knows; its answers are right, and a student that cannot know "
+             "them learns to guess (docs/design.md, 'A teacher that answers from memory'). Each rollout draws for "
+             "itself, so where the trajectories job keeps the best of two rollouts (a search that answers earns "
+             "more), recall**2 of the kept ones answer from memory. They make no query (r_query 0): keeping them "
+             "takes the process filter off (min_r_query 0).")
+    recall_match: str = opt(
+        "", "Regular expression (re.search, case aside) a question must match to be answered from memory; empty: "
+            "every question.")
 
 
 # The whole <think> of a turn under think="brief", by action. A toy-scale simplification: the
 # tiny demo model derails most often inside long reasons that repeat the names its query then
 # has to repeat again; a fixed phrase keeps the format and leaves the copying to the arguments.
 BRIEF_THINK = {"image_search": "Identify the image.", "text_search": "Search for the next fact.",
-               "response": "The results give the answer.", "restore": "Restore the image first."}
+               "response": "The results give the answer.", "restore": "Restore the image first.",
+               "recall": "I know this one."}
 
 
 # ---------------------------------------------------------------------------
@@ -191,6 +203,11 @@ class PathOracle:
         self.undo = json.loads(deg) if (question.get("degraded") and deg) else None
         self.answer_forms = [question["answer"], *(question.get("answer_aliases") or [])]
         self.answer_key = question.get("answer_key") or ""
+        try:
+            self.recall_re = re.compile(self.cfg.recall_match, flags=re.IGNORECASE)
+        except re.error as e:
+            raise ConfigError(f"teacher.oracle.recall_match {self.cfg.recall_match!r} is not a regular expression: "
+                              f"{e}") from e
 
     async def chat(self, messages: list[dict], images: Mapping[str, np.ndarray], sampling: Sampling) -> str:
         return self.next_turn(messages)
@@ -223,6 +240,11 @@ class PathOracle:
         rng = self._rng(len(steps))
         responses = [s.text for s in steps if s.ok]
         img = user_images[0] if user_images else "img_1"
+
+        # 0. a fact the teacher remembers: answered at once, from the path (see OracleConfig.recall)
+        if not steps and self._recalls(question):
+            think = f"I know the {self._key(question)} of this without searching."
+            return assistant_text(self._thought("recall", think), response=self._spaced(self.answer_forms[0]))
 
         # 1. restore a degraded image before anything else looks at it
         if self.undo is not None:
@@ -312,6 +334,14 @@ class PathOracle:
         ]) if tried == 0 else f"That did not show the {self._key(question)}; try another query."
         top_k = self.cfg.look_up_top_k if self.cfg.look_up and self.cfg.look_up_top_k and tried == 0 else self.cfg.top_k
         return self._call(think, "text_search", {"query": self._spaced(fresh[0]), "top_k": top_k})
+
+    def _recalls(self, question: str) -> bool:
+        """Whether the teacher answers this question from memory: it matches ``recall_match`` and a draw of its
+        own (by question id and seed, not by turn) falls under ``recall``."""
+        if self.cfg.recall <= 0 or not self.recall_re.search(question):
+            return False
+        qid = zlib.crc32(str(self.row.get("id", "")).encode())
+        return float(np.random.default_rng([self.seed, qid, 7]).random()) < self.cfg.recall
 
     def _give_up(self, rng: np.random.Generator, why: str) -> str:
         return assistant_text(f"I am stuck: {why}.", response=GIVE_UP)
