@@ -47,8 +47,14 @@ def demo_trajectories(run: RunConfig, grpo: GRPOConfig, split: str, n: int,
 
     scfg = upstream_config(pipeline.SynthConfig, pipeline.JOB, run, grpo.synth if synth is None else synth)
     qdir, _ = pipeline.run(scfg)
+    # The oracle's text without its answers from memory (teacher.oracle.recall, and the process filter the
+    # profile turns off for them): a row that copies nothing teaches no copying, and the committed policy's
+    # card was measured on the copy-only recipe.
+    traj = {k: v for k, v in grpo.trajectories.items() if k != "min_r_query"}
+    teacher = dict(traj.get("teacher") or {})
+    traj["teacher"] = {**teacher, "oracle": {**(teacher.get("oracle") or {}), "recall": 0.0}}
     tcfg = upstream_config(expert.TrajConfig, expert.JOB, run, {
-        "questions": str(qdir), "offer": list(grpo.rollout.offer), **grpo.trajectories,
+        "questions": str(qdir), "offer": list(grpo.rollout.offer), **traj,
         "split": split, "max_questions": n, "n_teacher_rollouts": 1, "tiny_kind": BASE_KIND})
     return expert.run(tcfg)[0] / "trajectories.parquet", pipeline.split_titles(scfg, "heldout")
 
