@@ -13,7 +13,9 @@ may *act* only through the real tools and may *say* only what the conversation s
   the skill the recipe is about, and no trajectory shows knowledge it could not have;
 - the path only tells the oracle which span to copy and when a hop is done (the hop's
   entity shows up in a response); a hop whose entity does not show up after a few
-  queries makes it give up with a non-answer, which the answer judge then filters out.
+  queries makes it give up with a non-answer, which the answer judge then filters out;
+- one option breaks the rule on purpose (``recall``): a matching question answered from memory in
+  the first turn, as a large teacher does for facts it knows, to give a student a habit to unlearn.
 
 Queries are built from the question's own descriptor phrases ("the one whose Capital is
 Nairobi" -> ``Capital Nairobi``; "the rock formed through ..." -> the description) and
