@@ -104,6 +104,15 @@ class OracleConfig:
         "", "Regular expression (re.search, case aside) a question must match to be answered from memory; empty: "
             "every question.")
 
+    def recall_pattern(self) -> re.Pattern[str]:
+        """``recall_match`` compiled; a pattern that is not a regular expression is a ConfigError (the trajectories
+        job checks it at start, before any actor builds an oracle)."""
+        try:
+            return re.compile(self.recall_match, flags=re.IGNORECASE)
+        except re.error as e:
+            raise ConfigError(f"teacher.oracle.recall_match {self.recall_match!r} is not a regular expression: "
+                              f"{e}") from e
+
 
 # The whole <think> of a turn under think="brief", by action. A toy-scale simplification: the
 # tiny demo model derails most often inside long reasons that repeat the names its query then
@@ -205,11 +214,7 @@ class PathOracle:
         self.undo = json.loads(deg) if (question.get("degraded") and deg) else None
         self.answer_forms = [question["answer"], *(question.get("answer_aliases") or [])]
         self.answer_key = question.get("answer_key") or ""
-        try:
-            self.recall_re = re.compile(self.cfg.recall_match, flags=re.IGNORECASE)
-        except re.error as e:
-            raise ConfigError(f"teacher.oracle.recall_match {self.cfg.recall_match!r} is not a regular expression: "
-                              f"{e}") from e
+        self.recall_re = self.cfg.recall_pattern()
 
     async def chat(self, messages: list[dict], images: Mapping[str, np.ndarray], sampling: Sampling) -> str:
         return self.next_turn(messages)

@@ -129,6 +129,7 @@ def validate(cfg: TrajConfig) -> None:
         raise ConfigError("n_teacher_rollouts, keep_per_question, shard_size and workers must be >= 1")
     cfg.reward.check()
     cfg.agent.check()
+    cfg.teacher.oracle.recall_pattern()
     if cfg.reward.uses_llm():  # an LLM judge (reward.judge / reward.query_scorer) needs its endpoint
         cfg.judge.check("judge")
 
