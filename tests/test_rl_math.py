@@ -9,7 +9,7 @@ import torch
 
 from osvl.agent.fatal import NOT_FATAL, Fatal, find_fatal, mask_start
 from osvl.errors import ConfigError
-from osvl.rl.loss import MODES, apply_mode, group_advantages, kl_k3, policy_loss, token_mask
+from osvl.rl.loss import MODES, apply_mode, group_advantages, kl_k3, loss_divisor, policy_loss, token_mask
 
 T, F = True, False
 
@@ -154,3 +154,193 @@ def test_per_mode_gradients_follow_the_table():
     assert (g[0] == 0).all()                                   # negative advantage clamped to 0
     g = _mode_grads("fatal_mask_clamp", 0.5)
     assert (g[0, :2] != 0).all() and (g[0, post_fatal] == 0).all()  # positive kept, prefix only
+
+
+# ---------------------------------------------------------------------------
+# Loss magnitudes in every mode and aggregation, with a dropped and a clamped row (weights not all ones).
+# The expected values are plain-Python arithmetic of docs/design.md's formula, not calls of the code under test.
+
+# docs/design.md's per-mode table: (mask post-fatal tokens, drop fatal rows, clamp fatal negatives to 0)
+MODE_TABLE = {"vanilla": (F, F, F), "hard_mask": (F, T, F), "fatal_mask": (T, F, F), "fatal_mask_clamp": (T, F, T)}
+AGGREGATIONS = ("seq_mean_token_mean", "token_mean", "seq_mean_token_sum")
+FULL = ([0, 1, 1, 0, 1, 1, 0, 1], [-1, 0, 0, -1, 1, 1, -1, 2])  # prompt, turn 0, tool, turn 1, tool, turn 2
+TWO = ([0, 1, 1, 0, 1, 1, 0, 0], [-1, 0, 0, -1, 1, 1, -1, -1])   # two turns, then padding
+ONE = ([0, 1, 1, 0, 0, 0, 0, 0], [-1, 0, 0, -1, -1, -1, -1, -1])
+# two groups of 3; row 0 is fatal below its group's mean (clamped / dropped), row 3 fatal above it (kept)
+ROWS = [
+    dict(group=0, reward=0.1, fatal=T, start=1, layout=FULL),
+    dict(group=0, reward=0.9, fatal=F, start=NOT_FATAL, layout=FULL),
+    dict(group=0, reward=0.7, fatal=F, start=NOT_FATAL, layout=TWO),
+    dict(group=1, reward=0.6, fatal=T, start=2, layout=FULL),
+    dict(group=1, reward=0.0, fatal=F, start=NOT_FATAL, layout=ONE),
+    dict(group=1, reward=0.2, fatal=F, start=NOT_FATAL, layout=FULL),
+]
+LOG_RATIOS = [0.0, 0.1, -0.1, math.log(1.5), math.log(0.5)]  # two of them outside [1 - 0.2, 1 + 0.28]
+
+
+def _log_ratio(i: int, t: int) -> float:
+    return LOG_RATIOS[(3 * i + t) % len(LOG_RATIOS)]
+
+
+def _ref_logp(i: int, t: int) -> float:
+    return 0.05 * ((i + t) % 4)
+
+
+def _loss_batch(rows=ROWS) -> dict[str, torch.Tensor]:
+    ix = [ROWS.index(r) for r in rows]
+    return {
+        "gen_mask": torch.tensor([r["layout"][0] for r in rows], dtype=torch.float32),
+        "step_ids": torch.tensor([r["layout"][1] for r in rows]),
+        "old_logprobs": torch.zeros(len(rows), 8),
+        "reward": torch.tensor([r["reward"] for r in rows]),
+        "group": torch.tensor([r["group"] for r in rows]),
+        "fatal": torch.tensor([r["fatal"] for r in rows]),
+        "mask_start": torch.tensor([r["start"] for r in rows]),
+        "logp": torch.tensor([[_log_ratio(i, t) for t in range(8)] for i in ix]),
+        "ref_logp": torch.tensor([[_ref_logp(i, t) for t in range(8)] for i in ix]),
+    }
+
+
+def _expected_loss(mode: str, aggregation: str, beta: float) -> dict[str, float]:
+    """docs/design.md's J for ROWS, in plain Python: group statistics over all G (unbiased std, δ = 1e-6),
+    then the mode's clamp / drop, then the token mask; ε_low 0.2, ε_high 0.28; divisor B for the sequence
+    aggregations, Σ_i w_i Σ_t M_it for token_mean."""
+    mask_post, drop, clamp = MODE_TABLE[mode]
+    B = len(ROWS)
+    pg_sums, kl_sums, n_masked, weights, advs = [], [], [], [], []
+    clipped = masked = generated = 0
+    for i, row in enumerate(ROWS):
+        peers = [r["reward"] for r in ROWS if r["group"] == row["group"]]
+        mean = sum(peers) / len(peers)
+        std = math.sqrt(sum((p - mean) ** 2 for p in peers) / (len(peers) - 1))
+        a = (row["reward"] - mean) / (std + 1e-6)
+        if clamp and row["fatal"]:
+            a = max(a, 0.0)
+        advs.append(a)
+        weights.append(0.0 if drop and row["fatal"] else 1.0)
+        gen, step = row["layout"]
+        pg = kl = 0.0
+        n = 0
+        for t in range(8):
+            if not gen[t]:
+                continue
+            generated += 1
+            if mask_post and step[t] >= row["start"]:
+                continue
+            rho = math.exp(_log_ratio(i, t))
+            pg += min(rho * a, min(max(rho, 0.8), 1.28) * a)
+            r = _ref_logp(i, t) - _log_ratio(i, t)
+            kl += math.exp(r) - r - 1
+            n += 1
+            clipped += not 0.8 <= rho <= 1.28
+        masked += n
+        pg_sums.append(pg)
+        kl_sums.append(kl)
+        n_masked.append(n)
+
+    def aggregate(sums: list[float]) -> float:
+        rows = list(zip(weights, sums, n_masked, strict=True))
+        if aggregation == "token_mean":
+            return sum(w * s for w, s, _ in rows) / sum(w * n for w, _, n in rows)
+        if aggregation == "seq_mean_token_mean":
+            return sum(w * s / max(n, 1) for w, s, n in rows) / B
+        return sum(w * s for w, s, _ in rows) / B
+
+    pg, kl = -aggregate(pg_sums), aggregate(kl_sums)
+    return {"loss": pg + beta * kl, "policy_loss": pg, "kl": kl, "clip_fraction": clipped / masked,
+            "mask_coverage": masked / generated, "adv": advs}
+
+
+def test_expected_loss_rows_are_dropped_and_clamped():
+    """The fixture does what the loss tests rely on: a fatal row below its group's mean (row 0) and one
+    above it (row 3), and rows whose masks differ in size."""
+    clamp = _expected_loss("fatal_mask_clamp", "token_mean", 0.0)["adv"]
+    plain = _expected_loss("fatal_mask", "token_mean", 0.0)["adv"]
+    assert plain[0] < 0 and clamp[0] == 0.0 and plain[3] > 0 and clamp[3] == plain[3]
+    assert set(MODE_TABLE) == set(MODES)
+    assert _expected_loss("hard_mask", "token_mean", 0)["loss"] != _expected_loss("vanilla", "token_mean", 0)["loss"]
+
+
+@pytest.mark.parametrize("aggregation", AGGREGATIONS)
+@pytest.mark.parametrize("mode", list(MODE_TABLE))
+def test_grpo_loss_magnitude_every_mode_and_aggregation(mode, aggregation):
+    from osvl.rl.learner import RLConfig, grpo_loss
+
+    batch = _loss_batch()
+    cfg = RLConfig(mode=mode, aggregation=aggregation, beta=0.1)
+    sl = grpo_loss(batch["logp"], batch, cfg, batch["ref_logp"])
+    want = _expected_loss(mode, aggregation, 0.1)
+    assert sl.out.loss.item() == pytest.approx(want["loss"], abs=1e-5)
+    assert sl.out.policy_loss.item() == pytest.approx(want["policy_loss"], abs=1e-5)
+    assert sl.out.kl.item() == pytest.approx(want["kl"], abs=1e-6)
+    assert sl.out.clip_fraction.item() == pytest.approx(want["clip_fraction"])
+    assert sl.out.mask_coverage.item() == pytest.approx(want["mask_coverage"])
+    assert sl.adv.tolist() == pytest.approx(want["adv"], abs=1e-5)
+    assert (sl.clamped, sl.kept_positive, sl.n_fatal) == (1, 1, 2)  # counted in every mode
+
+
+@pytest.mark.parametrize("aggregation", AGGREGATIONS)
+@pytest.mark.parametrize("mode", list(MODE_TABLE))
+def test_policy_loss_magnitude_every_mode_and_aggregation(mode, aggregation):
+    """The same figures through loss.py's own pieces: group_advantages, apply_mode, token_mask, policy_loss."""
+    batch = _loss_batch()
+    raw = group_advantages(batch["reward"], batch["group"])
+    adv, weight = apply_mode(raw, batch["fatal"], mode)
+    start = batch["mask_start"] if MODE_TABLE[mode][0] else torch.full((len(ROWS),), NOT_FATAL)
+    mask = token_mask(batch["gen_mask"], batch["step_ids"], start)
+    out = policy_loss(batch["logp"], batch["old_logprobs"], adv, mask, weight, ref_logp=batch["ref_logp"], beta=0.1,
+                      aggregation=aggregation, gen_mask=batch["gen_mask"])
+    want = _expected_loss(mode, aggregation, 0.1)
+    assert out.loss.item() == pytest.approx(want["loss"], abs=1e-5)
+    assert out.kl.item() == pytest.approx(want["kl"], abs=1e-6)
+    assert out.mask_coverage.item() == pytest.approx(want["mask_coverage"])
+    assert weight.tolist() == [0.0 if mode == "hard_mask" and r["fatal"] else 1.0 for r in ROWS]
+
+
+DROPPED_ROW_LOSS = {
+    # rows: adv 2 on 2 tokens (dropped), adv 1 on 2 tokens, adv -3 on 1 token; logp = old_logp (ratio 1)
+    "seq_mean_token_mean": -(0 * 2 + 1 * 1 + 1 * -3) / 3,      # divisor B = 3, not the 2 surviving rows
+    "token_mean": -(1 + 1 - 3) / 3,                           # divisor: the 3 tokens of weighted rows
+    "seq_mean_token_sum": -(0 * 4 + 1 * 2 + 1 * -3) / 3,
+}
+
+
+@pytest.mark.parametrize("aggregation", AGGREGATIONS)
+def test_policy_loss_with_a_dropped_row_keeps_the_divisor(aggregation):
+    expected = DROPPED_ROW_LOSS[aggregation]
+    zeros = torch.zeros(3, 2)
+    mask = torch.tensor([[1.0, 1.0], [1.0, 1.0], [1.0, 0.0]])
+    out = policy_loss(zeros, zeros, torch.tensor([2.0, 1.0, -3.0]), mask, torch.tensor([0.0, 1.0, 1.0]),
+                      aggregation=aggregation)
+    assert out.loss.item() == pytest.approx(expected)
+
+
+def test_loss_divisor_counts_rows_or_weighted_tokens():
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0], [0.0, 0.0, 0.0], [1.0, 1.0, 1.0]])
+    weight = torch.tensor([0.0, 1.0, 1.0, 1.0])
+    assert loss_divisor(mask, weight, "seq_mean_token_mean").item() == 4.0  # every row, dropped or empty
+    assert loss_divisor(mask, weight, "seq_mean_token_sum").item() == 4.0
+    assert loss_divisor(mask, weight, "token_mean").item() == 1.0 + 0.0 + 3.0  # row 0's 2 tokens weigh 0
+
+
+@pytest.mark.parametrize("aggregation", AGGREGATIONS)
+@pytest.mark.parametrize("mode", list(MODE_TABLE))
+def test_micro_batches_over_the_step_divisor_add_up_to_the_whole_batch(mode, aggregation):
+    """Each group alone, over the step's divisor (``batch_divisor`` summed), adds up to the one-batch loss."""
+    from osvl.rl.learner import RLConfig, batch_divisor, grpo_loss
+
+    cfg = RLConfig(mode=mode, aggregation=aggregation, beta=0.1)
+    parts = [_loss_batch(ROWS[:3]), _loss_batch(ROWS[3:])]
+    divisor = sum(batch_divisor(p, cfg) for p in parts)
+    total = sum(grpo_loss(p["logp"], p, cfg, p["ref_logp"], divisor=divisor).out.loss.item() for p in parts)
+    assert total == pytest.approx(_expected_loss(mode, aggregation, 0.1)["loss"], abs=1e-5)
+    stand_in = grpo_loss(parts[0]["logp"], parts[0], cfg, parts[0]["ref_logp"], live=False, divisor=divisor)
+    assert stand_in.out.loss.item() == 0.0 and stand_in.n_fatal == 0 and batch_divisor(parts[0], cfg, False) == 0
+
+
+def test_kl_term_only_with_a_positive_beta():
+    batch = _loss_batch()
+    out = policy_loss(batch["logp"], batch["old_logprobs"], torch.ones(len(ROWS)), batch["gen_mask"],
+                      ref_logp=batch["ref_logp"], beta=0.0)
+    assert out.kl.item() == 0.0
+    assert out.loss.item() == pytest.approx(out.policy_loss.item())
