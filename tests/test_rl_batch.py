@@ -1,0 +1,148 @@
+"""From scored ``Trajectory`` records to the learner's token mask: ``rl_batch``, ``micro_batches``, ``rank_share``.
+
+Fast (no model): the processor is the tiny checkpoint's (built once per machine, then cached), and
+the records are text-only. Fatal records whose cascade start and K-th failure differ go through
+the production path (``rl_batch`` -> ``grpo_loss``) under both ``mask_at`` settings; the expected
+masks are read off the records' own per-token lists in plain Python.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from osvl.agent.trajectory import Trajectory
+from osvl.rl.learner import RLConfig, grpo_loss
+from osvl.rl.learner_loop import micro_batches, rank_share, rl_batch
+
+PROMPT, TOOL = 4, 3  # tokens of the prompt and of each tool answer
+
+
+def record(gid: int, i: int, turns: int, reward: float = 0.0, fatal: tuple[int, int] = (-1, -1),
+           turn_len: int = 2) -> Trajectory:
+    """A text-only policy record: a prompt, then ``turns`` generated turns of ``turn_len`` tokens, each followed
+    by a tool answer. ``fatal`` is (cascade start, K-th failure), -1s when not fatal."""
+    ids, gen, step = [], [], []
+    for t in range(-1, turns):
+        n = PROMPT if t < 0 else turn_len
+        ids += [10 + (7 * len(ids) + k) % 800 for k in range(n)]
+        gen += [0 if t < 0 else 1] * n
+        step += [t] * n if t >= 0 else [-1] * n
+        if t >= 0:
+            ids += [20 + k for k in range(TOOL)]
+            gen += [0] * TOOL
+            step += [-1] * TOOL
+    return Trajectory(id=f"g{gid}-{i}", question_id=f"q{gid}", group_id=f"g{gid}", kind="policy", question="",
+                      answer="", answer_aliases=[], input_ids=ids, gen_mask=gen, logprobs=[-0.5] * len(ids),
+                      step_ids=step, images=[], image_max_pixels=[], processor={}, turns=[],
+                      fatal_cascade_start=fatal[0], fatal_kth=fatal[1], reward=reward)
+
+
+@pytest.fixture(scope="module")
+def processor():
+    from osvl.models.load import load_processor
+    from osvl.models.tiny import tiny_checkpoint
+
+    return load_processor(tiny_checkpoint("qwen3_vl"))
+
+
+def groups() -> list[list[Trajectory]]:
+    """Two groups. Fatal rows: cascade 1 / K-th 3, cascade 0 / K-th 0 (K = 1), cascade 2 / K-th 4.
+    Row g0-2 (7 turns: 4 + 7 * 5 = 39 tokens) is longer than max_len 36."""
+    return [[record(0, 0, 5, 0.1, (1, 3)), record(0, 1, 2, 0.9), record(0, 2, 7, 0.5)],
+            [record(1, 0, 2, 0.2, (0, 0)), record(1, 1, 5, 0.7, (2, 4)), record(1, 2, 3, 0.0)]]
+
+
+def expected_mask(tr: Trajectory, at: str, width: int) -> list[float]:
+    """The generated tokens of the turns before the mask start (all of them when the record is not fatal),
+    padded with zeros to the batch width."""
+    if tr.fatal_kth < 0:
+        start = len(tr.input_ids)  # above any turn index
+    else:
+        start = tr.fatal_cascade_start if at == "cascade" else tr.fatal_kth
+    row = [float(g and s < start) for g, s in zip(tr.gen_mask, tr.step_ids, strict=True)]
+    return row + [0.0] * (width - len(row))
+
+
+@pytest.mark.parametrize("at", ["cascade", "kth"])
+def test_rl_batch_fatal_records_to_the_training_mask(processor, at):
+    gs = groups()
+    kept = [gs[0][0], gs[0][1], *gs[1]]  # g0-2 is over max_len and dropped
+    cfg = RLConfig(mask_at=at, mode="fatal_mask_clamp", max_len=36, truncation="drop")
+    batch = rl_batch(gs, "", processor, cfg)
+    assert batch["fatal"].tolist() == [True, False, True, True, False]
+    assert batch["group"].tolist() == [0, 0, 1, 1, 1]
+    assert batch["reward"].tolist() == pytest.approx([0.1, 0.9, 0.2, 0.7, 0.0])
+    assert batch["old_logprobs"][0, :len(kept[0].input_ids)].tolist() == [-0.5] * len(kept[0].input_ids)
+    starts = {"cascade": [1, 0, 2], "kth": [3, 0, 4]}[at]
+    got = batch["mask_start"].tolist()
+    assert [got[0], got[2], got[3]] == starts
+    assert got[1] > 100 and got[4] > 100  # non-fatal rows: beyond any turn
+    width = batch["gen_mask"].shape[1]
+    assert width == max(len(tr.input_ids) for tr in kept)
+    sl = grpo_loss(torch.zeros_like(batch["old_logprobs"]), batch, cfg)
+    want = [expected_mask(tr, at, width) for tr in kept]
+    assert sl.mask.tolist() == want
+    generated = sum(sum(tr.gen_mask) for tr in kept)
+    assert sl.out.mask_coverage.item() == pytest.approx(sum(map(sum, want)) / generated)
+    assert sl.n_fatal == 3
+    # the modes that do not mask post-fatal tokens train every generated token of the same batch
+    vanilla = grpo_loss(torch.zeros_like(batch["old_logprobs"]), batch, RLConfig(mask_at=at, mode="vanilla"))
+    assert vanilla.mask.tolist() == [expected_mask(tr, at, width) if tr.fatal_kth < 0 else
+                                     tr.gen_mask + [0] * (width - len(tr.gen_mask)) for tr in kept]
+
+
+def test_rl_batch_cut_keeps_a_long_row_and_its_group_statistics(processor):
+    gs = groups()
+    cfg = RLConfig(max_len=36, truncation="cut")
+    batch = rl_batch(gs, "", processor, cfg)
+    assert batch["group"].tolist() == [0, 0, 0, 1, 1, 1]
+    assert batch["truncated"].tolist() == [0, 0, 1, 0, 0, 0]
+    assert batch["gen_mask"].shape[1] == 36
+    # dropping g0-2 changes group 0's statistics: the rows trained are the rows normalised over
+    dropped = rl_batch(gs, "", processor, RLConfig(max_len=36, truncation="drop"))
+    assert batch["reward"][:3].tolist() == pytest.approx([0.1, 0.9, 0.5])
+    assert dropped["reward"][:2].tolist() == pytest.approx([0.1, 0.9])
+    assert len(dropped["reward"]) == 5 and int(dropped["n_dropped"]) == 0  # left out before collate
+
+
+def test_micro_batches_pack_whole_groups_shortest_first():
+    def group(gid: int, n: int, turn_len: int) -> list[Trajectory]:
+        return [record(gid, i, 2, turn_len=turn_len) for i in range(n)]
+
+    # lengths 4 + 2 * (turn_len + 3): g0 28, g1 16, g2 20, g3 90 (over max_len 70), g4 18, g5 14
+    gs = [group(0, 4, 9), group(1, 2, 3), group(2, 4, 5), group(3, 4, 40), group(4, 6, 4), group(5, 2, 2)]
+    cfg = RLConfig(max_len=70, truncation="drop", micro_rows=4)
+    ids = [[g[0].group_id for g in chunk] for chunk in micro_batches(gs, cfg)]
+    assert ids == [["g5", "g1"], ["g4"], ["g2"], ["g0"]]  # g4 (6 rows) alone: larger than micro_rows
+    one = micro_batches(gs, RLConfig(max_len=70, truncation="drop", micro_rows=0))
+    assert [[g[0].group_id for g in chunk] for chunk in one] == [["g5", "g1", "g4", "g2", "g0"]]
+    exact = micro_batches(gs, RLConfig(max_len=70, truncation="drop", micro_rows=6))
+    assert [[g[0].group_id for g in chunk] for chunk in exact] == [["g5", "g1"], ["g4"], ["g2"], ["g0"]]
+    # a group with some rows over max_len is sorted by its longest *trainable* row, and counts only those
+    mixed = [group(0, 2, 9), [record(1, 0, 2, turn_len=40), record(1, 1, 2, turn_len=1)]]
+    packed = micro_batches(mixed, RLConfig(max_len=70, truncation="drop", micro_rows=3))
+    assert [[g[0].group_id for g in chunk] for chunk in packed] == [["g1", "g0"]]
+    # under "cut" nothing is left out for length
+    cut = micro_batches(gs, RLConfig(max_len=70, truncation="cut", micro_rows=0))
+    assert [[g[0].group_id for g in chunk] for chunk in cut] == [["g5", "g1", "g4", "g2", "g0", "g3"]]
+
+
+def test_rank_share_whole_groups_and_stand_ins():
+    def group(gid: int, n: int, turn_len: int) -> list[Trajectory]:
+        return [record(gid, i, 2, turn_len=turn_len) for i in range(n)]
+
+    gs = [group(0, 4, 9), group(1, 2, 3), group(2, 4, 5)]
+    cfg = RLConfig(max_len=70, truncation="drop", micro_rows=4)
+    zero, one = rank_share(gs, 0, 2, cfg), rank_share(gs, 1, 2, cfg)
+    # rank 0 takes groups 0 and 2 (two micro-batches), rank 1 group 1 and one stand-in
+    assert [([g[0].group_id for g in chunk], live) for chunk, live in zero] == [(["g2"], True), (["g0"], True)]
+    assert [([g[0].group_id for g in chunk], live) for chunk, live in one][0] == (["g1"], True)
+    (stand_in, live), = one[1:]
+    assert live is False and stand_in == [[gs[1][0]]]  # the step's shortest trainable record (the first of them)
+    assert rank_share(gs, 0, 1, cfg) == [([gs[1]], True), ([gs[2]], True), ([gs[0]], True)]  # 2 + 4 rows > 4
+    # fewer groups than ranks: the idle rank trains only a stand-in
+    assert rank_share(gs[:1], 1, 2, cfg) == [([[gs[0][0]]], False)]
+    # nothing trainable in the whole step: every rank skips it
+    assert rank_share([group(3, 2, 40)], 0, 2, cfg) is None
+    assert rank_share([], 0, 2, cfg) is None
