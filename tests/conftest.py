@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
+from typing import NoReturn
 
 import pytest
 
@@ -11,11 +13,31 @@ REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = Path(os.environ.get("OSVL_SHARED_DATA", REPO.parent / "shared" / "data"))
 
 
+def missing_input(name: str, msg: str) -> NoReturn:
+    """Skip a test whose outside input is missing, or fail it where that input is required
+    (``OSVL_REQUIRE_<NAME>=1``, which ``.ci/run`` sets): a green CI must not hide a missing input
+    behind a skip. ``-ra`` folds the skips of one fixture into one summary line with ``msg``."""
+    if os.environ.get(f"OSVL_REQUIRE_{name}") == "1":
+        pytest.fail(f"{msg} (OSVL_REQUIRE_{name}=1 requires it)", pytrace=False)
+    pytest.skip(msg)
+
+
 @pytest.fixture(scope="session")
 def shared_data() -> Path:
+    """The developers' real data sources (``../shared/data`` beside the checkout, or ``$OSVL_SHARED_DATA``)."""
     if not SHARED_DATA.is_dir():
-        pytest.skip(f"shared data folder not found at {SHARED_DATA} (set OSVL_SHARED_DATA)")
+        missing_input("SHARED_DATA", f"shared data folder not found at {SHARED_DATA}: put it at ../shared/data "
+                      "beside the checkout or set OSVL_SHARED_DATA (its README lists the public sources)")
     return SHARED_DATA
+
+
+@pytest.fixture(scope="session")
+def tesseract() -> str:
+    """The tesseract OCR binary (Debian's ``tesseract-ocr``; ``.ci/run`` installs it)."""
+    path = shutil.which("tesseract")
+    if path is None:
+        missing_input("TESSERACT", "tesseract not installed (apt-get install -y tesseract-ocr tesseract-ocr-eng)")
+    return path
 
 
 @pytest.fixture(scope="session")
@@ -42,7 +64,6 @@ def s3_store():
     dummy credentials, ``AWS_EC2_METADATA_DISABLED=true``). They are also set in this process's
     environment for the session, so the storage layer and any Ray worker started here inherit them.
     """
-    import shutil
     import subprocess
     import sys
     import time
@@ -50,9 +71,11 @@ def s3_store():
 
     from osvl.cluster import LOOPBACK, free_port
 
+    # moto[server] is one of the project's dev dependencies (`make setup` installs it): missing, it fails
     server = shutil.which("moto_server", path=str(Path(sys.executable).parent))
     if server is None:
-        pytest.skip("moto[server] is not installed")
+        pytest.fail(f"moto_server not found beside {sys.executable}: run `make setup` (moto[server] is a dev "
+                    "dependency)", pytrace=False)
     port = free_port()
     proc = subprocess.Popen([server, "-H", LOOPBACK, "-p", str(port)], stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
@@ -103,7 +126,6 @@ def multinode_cluster(s3_store):
     against it needs.
     """
     import json
-    import shutil
     import subprocess
     import sys
     import tempfile
@@ -114,9 +136,7 @@ def multinode_cluster(s3_store):
     if not loopback_only_namespace():
         msg = ("the multi-node cluster's Ray processes listen on every interface (see tests/netns.sh): run these "
                "tests in a private network namespace, as `make test` does (tests/netns.sh pytest ...)")
-        if os.environ.get("OSVL_REQUIRE_NETNS") == "1":
-            pytest.fail(msg)
-        pytest.skip(msg)
+        missing_input("NETNS", msg)
 
     # short: Ray's unix sockets live under the temp dir, and a socket path is at most 107 bytes
     base = Path(tempfile.mkdtemp(prefix="osvl-mn-"))

@@ -293,13 +293,10 @@ def test_ocr_tesseract_missing_binary_is_dependency_missing():
 
 
 @pytest.mark.slow
-def test_ocr_tesseract_backend_reads_the_sentence():
-    import shutil
-
+def test_ocr_tesseract_backend_reads_the_sentence(tesseract):
+    """The backend as configured (``ocr_backend: tesseract``, the binary found on PATH) end to end."""
     from osvl.tools.ocr import char_error_rate
 
-    if shutil.which("tesseract") is None:
-        pytest.skip("tesseract not installed (apt-get install -y tesseract-ocr tesseract-ocr-eng)")
     ctx = ToolContext(images={"img_1": _rendered_sentence()}, options={"ocr_backend": "tesseract"})
     r = call_tool(REGISTRY["ocr"], {"image": "img_1"}, ctx)
     assert r.ok, r.text

@@ -6,12 +6,11 @@ import threading
 
 import numpy as np
 import pytest
+import torch
 
-torch = pytest.importorskip("torch")
-sr = pytest.importorskip("osvl.tools.super_resolution")
-app = pytest.importorskip("serve.app")
-
-from osvl.tools.base import REGISTRY, ToolContext, call_tool  # noqa: E402
+import osvl.tools.super_resolution as sr
+import serve.app as app
+from osvl.tools.base import REGISTRY, ToolContext, call_tool
 
 
 @pytest.mark.slow

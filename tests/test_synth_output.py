@@ -138,8 +138,6 @@ def test_output_of_a_small_kg_keeps_every_invariant(tmp_path):
 
 @pytest.mark.slow
 def test_output_on_the_sample_keeps_every_invariant(tmp_path):
-    if not (SAMPLE / "entities.parquet").is_file():
-        pytest.skip("the embedded KG sample is not built yet (python -m osvl.kg.build_sample)")
     out = run_job(tmp_path, "--questions_per_seed=12", "--num_shards=4")
     rows = check_output(out, SAMPLE)
     assert len({r["path"][0]["entity_id"] for r in rows}) >= 20
