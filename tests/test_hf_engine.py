@@ -21,7 +21,6 @@ from osvl.agent.loop import AgentConfig, run_episode
 from osvl.agent.trajectory import (
     TrajectoryBuilder,
     load_image,
-    mm_token_type_ids,
     processor_inputs,
     read_trajectories,
     write_trajectories,
@@ -138,30 +137,11 @@ def test_gen_mask_covers_exactly_the_engine_tokens(rollout):
 
 def _rescore(model, processor, trajs, image_dir) -> torch.Tensor:
     """Per-token log-probs of a right-padded batch of the stored records (training's view)."""
-    try:
-        from osvl.train.batch import collate, token_logprobs
-    except ImportError:  # the SFT issue's batch module not there yet: the same computation inline
-        collate = None
-    if collate is not None:
-        batch = collate(trajs, image_dir, processor, max_len=max(len(t.input_ids) for t in trajs), truncation="drop")
-        with torch.no_grad():
-            return token_logprobs(model, batch), batch["gen_mask"].bool(), batch["old_logprobs"]
-    width = max(len(t.input_ids) for t in trajs)
-    ids = torch.full((len(trajs), width), processor.tokenizer.pad_token_id)
-    mask, gen, old = (torch.zeros((len(trajs), width)) for _ in range(3))
-    images, caps = [], []
-    for i, t in enumerate(trajs):
-        n = len(t.input_ids)
-        ids[i, :n], mask[i, :n] = torch.tensor(t.input_ids), 1
-        gen[i, :n], old[i, :n] = torch.tensor(t.gen_mask, dtype=torch.float32), torch.tensor(t.logprobs)
-        images += [load_image(image_dir, h) for h in t.images]
-        caps += t.image_max_pixels
-    vision = processor_inputs(images, caps, processor)
+    from osvl.train.batch import collate, token_logprobs
+
+    batch = collate(trajs, image_dir, processor, max_len=max(len(t.input_ids) for t in trajs), truncation="drop")
     with torch.no_grad():
-        logits = model(input_ids=ids, attention_mask=mask.long(), mm_token_type_ids=mm_token_type_ids(
-            ids, model.config.image_token_id), **vision).logits[:, :-1].float()
-    lp = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
-    return torch.nn.functional.pad(lp, (1, 0)), gen.bool(), old
+        return token_logprobs(model, batch), batch["gen_mask"].bool(), batch["old_logprobs"]
 
 
 def test_rescoring_the_stored_records_gives_the_behaviour_logprobs(engine, rollout):

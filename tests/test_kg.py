@@ -141,7 +141,9 @@ def test_mediawiki_page_parse_is_pure(shared_data: Path) -> None:
     pages = [p for p in mediawiki.iter_pages(shared_data / MW_SAMPLE) if p.title == "Autism"]
     a, b = mediawiki.parse_page(pages[0]), mediawiki.parse_page(pages[0])
     assert a == b and a["kind"] == "article" and "Psychiatry" in {x["value"] for x in a["attributes"]}
-    assert ("Autism spectrum", "linked_to") in a["links"] or len(a["links"]) > 100
+    # the lead's first link, an infobox field's link under its field name, and the body's links (292 in all)
+    assert a["links"][:2] == [("Autism spectrum", "linked_to"), ("Pervasive developmental disorder", "linked_to")]
+    assert ("Psychiatry", "field") in a["links"] and len(a["links"]) > 250
 
 
 class _Repeat(io.RawIOBase):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -61,9 +62,20 @@ def test_a_run_folder_lives_in_the_bucket_and_survives_losing_the_local_cache(s3
     assert config_hash(Cfg(run=RunConfig(root=str(tmp_path / "local")))) == h
     assert not any(p.name == h for p in tmp_path.rglob("*") if not p.is_relative_to(tmp_path / "cache"))
 
-    # a changed file is uploaded again, an unchanged one is not rewritten
+    # publishing the whole pulled mirror uploads the changed file again and does not rewrite the unchanged one
+    fs, path = storage.open_root(f"{root}/job/{h}")
+
+    def mtimes() -> dict[str, int]:
+        return {rel: fs.get_file_info(f"{path}/{rel}").mtime_ns
+                for rel in ("report.json", "shards/shard-00000.parquet")}
+
+    first = mtimes()
+    time.sleep(1.1)  # S3's Last-Modified has one-second resolution
     (again / "report.json").write_text('{"done": "twice"}')
-    storage.publish(again, "report.json")
+    storage.publish(again)
+    now = mtimes()
+    assert now["report.json"] > first["report.json"]  # the probe does see a rewrite
+    assert now["shards/shard-00000.parquet"] == first["shards/shard-00000.parquet"]
     shutil.rmtree(tmp_path / "cache")
     assert (run_dir(Cfg(run=RunConfig(root=root)), "job") / "report.json").read_text() == '{"done": "twice"}'
 
