@@ -13,13 +13,27 @@ REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = Path(os.environ.get("OSVL_SHARED_DATA", REPO.parent / "shared" / "data"))
 
 
+MISSING = "missing input: "
+
+
 def missing_input(name: str, msg: str) -> NoReturn:
     """Skip a test whose outside input is missing, or fail it where that input is required
     (``OSVL_REQUIRE_<NAME>=1``, which ``.ci/run`` sets): a green CI must not hide a missing input
-    behind a skip. ``-ra`` folds the skips of one fixture into one summary line with ``msg``."""
+    behind a skip. The skips of one input fold into one ``-ra`` summary line (the hook below)."""
     if os.environ.get(f"OSVL_REQUIRE_{name}") == "1":
         pytest.fail(f"{msg} (OSVL_REQUIRE_{name}=1 requires it)", pytrace=False)
-    pytest.skip(msg)
+    pytest.skip(MISSING + msg)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A fixture's skip is reported at each test's own line, so ``-ra`` would list the ~40 tests that
+    read the shared data one by one; a missing input's skips get this file's location instead, and
+    fold into one line: how many tests, what is missing, where to get it."""
+    outcome = yield
+    rep = outcome.get_result()
+    if rep.skipped and isinstance(rep.longrepr, tuple) and MISSING in str(rep.longrepr[2]):
+        rep.longrepr = (os.path.relpath(__file__), missing_input.__code__.co_firstlineno, rep.longrepr[2])
 
 
 @pytest.fixture(scope="session")
