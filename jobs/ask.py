@@ -18,9 +18,11 @@ import asyncio
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
+from osvl.agent.engines import EngineKind  # noqa: E402
 from osvl.agent.loop import AgentConfig  # noqa: E402
 from osvl.config import opt  # noqa: E402
 from osvl.errors import ConfigError  # noqa: E402
@@ -34,8 +36,9 @@ class AskConfig:
     image: str = opt("", "Image file (PNG/JPEG) the question is about.")
     question: str = opt("", "The question.")
     model: str = opt("tiny-agent", "Checkpoint directory, or 'tiny' / 'tiny-agent' (built and cached locally).")
-    engine: str = opt("hf", "Token engine: 'hf' (transformers generate) or 'vllm'.")
-    tools: str = opt("inprocess", "Tool transport: 'inprocess' or 'http' (the tool API at --url).")
+    engine: EngineKind = opt("hf", "Token engine: hf (transformers generate) or vllm.")
+    tools: Literal["inprocess", "http"] = opt("inprocess", "Tool transport: inprocess, or http (the tool API at "
+                                                           "--url).")
     url: str = opt("", "Tool API base URL for --tools http, e.g. http://127.0.0.1:8000.")
     tool_names: list[str] = opt([], "Tools offered to the model; empty = every tool the transport has.")
     seed: int = opt(0, "Sampling seed.")

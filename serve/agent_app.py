@@ -38,12 +38,13 @@ import re
 import sys
 import time
 import uuid
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from ray import serve
 
+from osvl.agent.engines import EngineKind
 from osvl.agent.loop import AgentConfig
 from osvl.config import from_dict, opt
 from osvl.errors import FetchRefused, InvalidCall, OsvlError
@@ -60,10 +61,11 @@ class AgentServeConfig:
 
     model: str = opt("tiny-agent", "Checkpoint directory, or 'tiny-agent' (the cached tiny agent).")
     name: str = opt("osvl-agent", "The model name clients send (404 for any other).")
-    engine: str = opt("hf", "Token engine: hf or vllm.")
+    engine: EngineKind = opt("hf", "Token engine.")
     offer: list[str] = opt([], "Tools offered; empty = those the checkpoint was trained with "
                                "(osvl.agent.evaluate.trained_tools), else every tool.")
-    tools: str = opt("inprocess", "Tool transport: handle (the osvl_tools Serve app) or inprocess.")
+    tools: Literal["inprocess", "handle"] = opt("inprocess", "Tool transport: handle (the osvl_tools Serve app) or "
+                                                             "inprocess.")
     agent: AgentConfig = opt(AgentConfig(max_turns=6, max_new_tokens=128, max_episode_tokens=3072, temperature=0.0),
                              "Agent budgets of every request.")
     fetch_urls: bool = opt(False, "Fetch http(s) image URLs (through the SSRF guard); off = data URLs only.")

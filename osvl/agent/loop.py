@@ -39,7 +39,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Literal, get_args
 
 import numpy as np
 
@@ -51,7 +51,8 @@ from osvl.config import opt
 from osvl.errors import TOOL_ERROR_KINDS, ConfigError, ParseError
 from osvl.tools.client import ToolClient
 
-OVERFLOW_POLICIES = ("downscale", "stop")
+Overflow = Literal["downscale", "stop"]
+OVERFLOW_POLICIES = get_args(Overflow)
 CLOSING_TOKENS = 2  # "<|im_end|>" "\n": kept free so every turn can be closed within max_episode_tokens
 
 
@@ -70,7 +71,7 @@ class AgentConfig:
     fatal_kinds: list[str] = opt(list(TOOL_ERROR_KINDS), "Failure kinds that count toward K.")
     stop_on_fatal: bool = opt(True, "End the episode at the K-th consecutive failure (released code).")
     temperature: float = opt(1.0, "Sampling temperature; 0 = greedy. RL: 1.0 with no top-p/top-k.")
-    overflow: str = opt("downscale", "When a tool answer would overflow max_episode_tokens: 'downscale' its "
+    overflow: Overflow = opt("downscale", "When a tool answer would overflow max_episode_tokens: 'downscale' its "
                                      "images, else end with context_overflow; or 'stop' at once.")
 
     def check(self) -> None:

@@ -31,14 +31,16 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
+from osvl.agent.engines import EngineKind
 from osvl.agent.evaluate import MODES
 from osvl.agent.loop import AgentConfig
 from osvl.config import RunConfig, from_dict, opt, to_dict
 from osvl.endpoint import EndpointConfig
 from osvl.errors import ConfigError, DataError
 from osvl.logs import Progress
+from osvl.tools.cache import CacheMode
 from osvl.tools.text_search import TextSearchConfig
 
 logger = logging.getLogger(__name__)
@@ -55,7 +57,7 @@ class EvalConfig:
     benchmarks: list[str] = opt([], "Benchmark files (JSONL, JSON or Parquet; see osvl/eval/loaders.py).")
     modes: list[str] = opt(["direct", "rag", "agentic"], "Modes to run: direct, rag, agentic.")
     model: str = opt("tiny-agent", "Checkpoint directory, 'tiny-agent', 'tiny', 'openai:NAME' or 'oracle'.")
-    engine: str = opt("hf", "Token engine for a checkpoint: hf or vllm.")
+    engine: EngineKind = opt("hf", "Token engine for a checkpoint.")
     endpoint: EndpointConfig = opt(EndpointConfig, "openai:NAME models: the chat endpoint (endpoint.model is NAME: "
                                    "leave it empty or set the same).")
     processor: str = opt("", "Tokenizer/processor for chat models (openai, oracle); empty = the tiny checkpoint's.")
@@ -73,13 +75,13 @@ class EvalConfig:
         "(the GRPO job's rollout.text_search; dense_rerank: MiniLM re-rank of the BM25 hits, slow on CPU).")
     agent: AgentConfig = opt(AgentConfig(max_turns=6, max_new_tokens=128, max_episode_tokens=3072, temperature=0.0),
                              "Agent budgets (agentic mode; direct and rag use one turn of the same budgets).")
-    judge: str = opt("rule", "Answer judge: rule, or llm (the endpoint below; the rule judge runs too and the "
-                             "report gives their agreement).")
+    judge: Literal["rule", "llm"] = opt("rule", "Answer judge: rule, or llm (the endpoint below; the rule judge "
+                                                "runs too and the report gives their agreement).")
     judge_endpoint: EndpointConfig = opt(EndpointConfig, "The LLM judge's OpenAI-compatible endpoint.")
-    tools: str = opt("inprocess", "Tool transport: inprocess (in each actor) or http (the tool API at tools_url).")
+    tools: Literal["inprocess", "http"] = opt("inprocess", "Tool transport: inprocess (in each actor) or http (the "
+                                                           "tool API at tools_url).")
     tools_url: str = opt("", "tools=http: the tool API's URL.", hashed=False)
-    tool_cache: str = opt("replay", "Record/replay cache mode of tool calls (inprocess): off, record, replay, "
-                                    "strict-replay.")
+    tool_cache: CacheMode = opt("replay", "Record/replay cache mode of tool calls (inprocess).")
     tool_cache_root: str = opt("", "Cache folder; empty = <run.root>/eval/tool_cache (shared by eval runs).",
                                hashed=False)
     tool_latency_s: float = opt(0.0, "Simulated extra latency per tool call (benchmarks), seconds.")

@@ -45,7 +45,7 @@ import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -90,7 +90,8 @@ class BuildKGConfig:
                        "the driver reads ahead.", hashed=False)
     out_dir: str = opt("", "Also copy the KG tables here when set (e.g. a folder every node can read).",
                        hashed=False)
-    format: str = opt("auto", "Input format: mediawiki (pages-articles XML); wikidata_json (the Wikidata JSON "
+    format: Literal["auto", "mediawiki", "wikidata_json", "wikidata_triples"] = opt(
+                      "auto", "Input format: mediawiki (pages-articles XML); wikidata_json (the Wikidata JSON "
                       "dump: a JSON array or JSON Lines of entities with labels, aliases, descriptions, claims); "
                       "wikidata_triples (subject, property, object rows, tab-separated for .tsv else commas, "
                       "ids named by --labels); auto: .xml[.bz2] -> mediawiki, .json/.jsonl[.bz2|.gz] -> "

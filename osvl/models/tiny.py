@@ -26,14 +26,15 @@ import json
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, get_args
 
 from osvl.chat import CHAT_TEMPLATE, SPECIAL_TOKENS
 from osvl.errors import ConfigError
 from osvl.storage import cache_root
 
 CORPUS = Path(__file__).with_name("corpus") / "corpus.txt"
-KINDS = ("qwen3_vl", "qwen2_5_vl")
+TinyKind = Literal["qwen3_vl", "qwen2_5_vl"]
+KINDS = get_args(TinyKind)
 BUILD_VERSION = 1  # bump when the build code changes in a way the hashed inputs do not show
 SEED = 0
 BPE_VOCAB = 4096

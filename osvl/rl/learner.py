@@ -28,6 +28,7 @@ from osvl.agent.fatal import NOT_FATAL, MaskStart, mask_start
 from osvl.config import opt
 from osvl.errors import TrainingDiverged
 from osvl.rl.loss import MODES, LossOutput, apply_mode, group_advantages, loss_divisor, policy_loss, token_mask
+from osvl.train.batch import Truncation
 
 
 @dataclass
@@ -54,7 +55,7 @@ class RLConfig:
     weight_decay: float = opt(0.0, "AdamW weight decay.")
     grad_clip: float = opt(1.0, "Global gradient-norm clip (0 = off).")
     max_len: int = opt(4096, "Longest trajectory fed to the learner, in tokens (collate's truncation).")
-    truncation: str = opt("drop", "What collate does with a longer trajectory (see osvl/train/batch.py).")
+    truncation: Truncation = opt("drop", "What collate does with a longer trajectory (see osvl/train/batch.py).")
     micro_rows: int = opt(8, "Most trainable rows in one learner forward/backward: a rank's groups are packed "
                              "whole, by length, into micro-batches and their gradients accumulate into one "
                              "update (a larger group is one micro-batch; 0 = one padded batch per step).")

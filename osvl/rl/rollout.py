@@ -31,9 +31,10 @@ import dataclasses
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from osvl import storage
+from osvl.agent.engines import EngineKind
 from osvl.agent.fatal import MaskStart
 from osvl.agent.loop import AgentConfig
 from osvl.agent.reward import RewardConfig
@@ -53,11 +54,12 @@ class RolloutConfig:
     role_units: float = opt(0.0, "Units of the 'rollout' custom resource (osvl.cluster.ROLE_RESOURCES, declared on "
                                  "rollout nodes by cluster.yaml and deploy/) each rollout actor and evaluation "
                                  "engine requests; 0 = none.", hashed=False)
-    engine: str = opt("hf", "Token engine: hf (transformers generate) or vllm.")
+    engine: EngineKind = opt("hf", "Token engine: hf (transformers generate) or vllm.")
     max_batch: int = opt(32, "Most turns the engine batches into one generate call.", hashed=False)
     groups_in_flight: int = opt(2, "Groups each actor works on concurrently (x G episodes in flight).",
                                 hashed=False)
-    tools: str = opt("inprocess", "Tool transport: inprocess (in the actor) or handle (Ray Serve deployments).")
+    tools: Literal["inprocess", "handle"] = opt("inprocess", "Tool transport: inprocess (in the actor) or handle "
+                                                             "(Ray Serve deployments).")
     offer: list[str] = opt([], "Tools offered to the policy, by name; empty = every registered tool.")
     schemas: str = opt("", "JSON file with the tool schemas to show the policy (a list of OpenAI-style function "
                            "schemas, e.g. the shorter descriptions a model was fine-tuned with); empty = the "

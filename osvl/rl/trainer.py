@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from osvl import storage
 from osvl.config import RunConfig, opt
@@ -52,8 +52,9 @@ class LearnerConfig:
     use_gpu: bool = opt(False, "Learner workers on GPUs (NCCL, one GPU each).", hashed=False)
     max_failures: int = opt(1, "Ray Train restarts of a failed learner worker group (resumes from the checkpoint).",
                             hashed=False)
-    weights: str = opt("object_store", "How weights reach the rollout actors: object_store (CPU and GPU, any "
-                       "engine) or nccl (GPU broadcast into vLLM; not implemented yet).", hashed=False)
+    weights: Literal["object_store", "nccl"] = opt(
+        "object_store", "How weights reach the rollout actors: object_store (CPU and GPU, any engine) or nccl (GPU "
+        "broadcast into vLLM; not implemented yet).", hashed=False)
 
 
 @dataclass

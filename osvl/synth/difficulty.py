@@ -26,7 +26,7 @@ import logging
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, get_args
 
 import numpy as np
 import pyarrow as pa
@@ -39,7 +39,8 @@ from osvl.errors import ConfigError
 logger = logging.getLogger(__name__)
 
 STAGES = ("no_tools", "one_image_search")
-ENGINES = ("hf", "vllm", "openai")
+Stage1Engine = Literal["hf", "vllm", "openai"]
+ENGINES = get_args(Stage1Engine)
 
 
 @dataclass
@@ -47,7 +48,8 @@ class DifficultyConfig:
     """Settings of ``DifficultyFilter`` (the synthesize job's ``filter.difficulty`` section)."""
 
     stages: list[str] = opt(list(STAGES), f"Stages to run, in this order; a subset of {STAGES}.")
-    engine: str = opt("hf", "Stage 1's model: hf or vllm (a checkpoint in model) or openai (the endpoint below).")
+    engine: Stage1Engine = opt("hf", "Stage 1's model: hf or vllm (a checkpoint in model) or openai (the endpoint "
+                                     "below).")
     model: str = opt("", "hf/vllm: stage 1's checkpoint directory; empty = stage 1 is skipped (and counted).")
     endpoint: EndpointConfig = opt(EndpointConfig, "openai: stage 1's chat model; no endpoint.model = stage 1 "
                                                    "is skipped (and counted).")

@@ -45,7 +45,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, get_args
 
 import numpy as np
 
@@ -56,18 +56,21 @@ from osvl.agent.teacher import OracleConfig
 from osvl.config import RunConfig, from_dict, input_path, opt, run_dir, to_dict
 from osvl.endpoint import EndpointConfig
 from osvl.errors import ConfigError, DataError, EndpointUnavailable
-from osvl.models.tiny import checkpoint_name
+from osvl.models.tiny import TinyKind, checkpoint_name
+from osvl.synth.walks import Split
+from osvl.tools.cache import CacheMode
 from osvl.tools.text_search import TextSearchConfig
 
 logger = logging.getLogger(__name__)
 
 JOB = "trajectories"
-TEACHERS = ("oracle", "openai")
+Teacher = Literal["oracle", "openai"]
+TEACHERS = get_args(Teacher)
 
 
 @dataclass
 class TeacherOptions:
-    kind: str = opt("oracle", f"Teacher: one of {TEACHERS}.")
+    kind: Teacher = opt("oracle", "Teacher: the offline path oracle, or a chat model at the endpoint.")
     oracle: OracleConfig = opt(OracleConfig, "The offline path-oracle teacher.")
     endpoint: EndpointConfig = opt(EndpointConfig, "openai teacher: the chat model's endpoint.")
 
@@ -77,7 +80,7 @@ class ToolOptions:
     text_search: TextSearchConfig = opt(
         TextSearchConfig, "text_search's settings: the search engine the records show, which the policy's rollouts "
         "and evaluation must use too (the GRPO job passes its rollout.text_search here).")
-    cache: str = opt("replay", "Tool record/replay cache mode (osvl.tools.cache): the rollouts of one question "
+    cache: CacheMode = opt("replay", "Tool record/replay cache mode (osvl.tools.cache): the rollouts of one question "
                                "run one after another, so the later ones replay the first one's image search.",
                      hashed=False)
     cache_dir: str = opt("", "Tool-cache recordings folder; empty = <OSVL_CACHE or run root>/cache/tool_calls.",
@@ -95,11 +98,11 @@ class TrajConfig:
     run: RunConfig = opt(RunConfig, "Run root and global seed.")
     questions: str = opt("", "Synthesize run folder with <split>.parquet and images/; empty = the synthesize "
                              "job's default profile (built, or reused when it exists).")
-    split: str = opt("sft", "Which split's questions to answer.")
+    split: Split = opt("sft", "Which split's questions to answer.")
     max_questions: int = opt(0, "Answer at most this many questions (the first by id); 0 = all.")
     model: str = opt("", "Student checkpoint whose tokenizer and processor render the records; empty = the "
                          "tiny model of tiny_kind.")
-    tiny_kind: str = opt("qwen3_vl", "osvl.models.tiny kind whose tokenizer renders the records when model is "
+    tiny_kind: TinyKind = opt("qwen3_vl", "osvl.models.tiny kind whose tokenizer renders the records when model is "
                                      "empty (the SFT job passes its own).", hash_as=checkpoint_name)
     offer: list[str] = opt([], "Tools offered to the teacher, by name (rendered in every record's system prompt, "
                                "so the policy trained on the records must be offered the same); empty = all.")

@@ -74,7 +74,8 @@ class WalkOptions:
 
 @dataclass
 class RewriterOptions:
-    kind: str = opt("template", "template (default, deterministic) or llm (an OpenAI-compatible endpoint).")
+    kind: Literal["template", "llm"] = opt("template", "template (default, deterministic) or llm (an OpenAI-compatible "
+                                                      "endpoint).")
     endpoint: EndpointConfig = opt(EndpointConfig(timeout_s=30.0, max_concurrency=8),
                                    "llm: the chat endpoint (max_concurrency is per synthesis worker).")
     temperature: float = opt(0.7, "llm: sampling temperature.")

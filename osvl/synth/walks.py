@@ -30,13 +30,14 @@ from collections import Counter, defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, get_args
 
 import numpy as np
 
 from osvl.synth.invariants import fold
 
-SPLITS = ("sft", "rl", "heldout")
+Split = Literal["sft", "rl", "heldout"]
+SPLITS = get_args(Split)
 
 # Infobox lines that are not facts about the thing (image captions, navigation, markup remnants).
 NON_ANSWER_KEYS = {"caption", "image", "coordinates", "website", "see also", "spoiler warning", "source",

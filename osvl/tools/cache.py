@@ -41,7 +41,7 @@ import os
 import re
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, get_args
 
 import numpy as np
 
@@ -50,7 +50,8 @@ from osvl.errors import ConfigError
 from osvl.storage import atomic_write
 from osvl.tools.base import ToolContext, ToolError, ToolResult, call_tool
 
-MODES = ("off", "record", "replay", "strict-replay")
+CacheMode = Literal["off", "record", "replay", "strict-replay"]
+MODES = get_args(CacheMode)
 _RECORDED_ERRORS = ("invalid_call", "tool_error")
 _IMAGE_NAME = re.compile(r"\bimg_\d+\b")
 

@@ -23,14 +23,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, get_args
 
 import torch
 
 from osvl.chat import IMAGE_PAD, VISION_END, VISION_START
 from osvl.errors import DataError
 
-TRUNCATION = ("drop", "cut")
+Truncation = Literal["drop", "cut"]
+TRUNCATION = get_args(Truncation)
 
 
 def _vision_ids(processor) -> tuple[int, int, int]:

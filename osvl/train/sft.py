@@ -39,7 +39,7 @@ from typing import Any, Literal
 
 from osvl.config import RunConfig, opt
 from osvl.errors import ConfigError, DataError
-from osvl.models.tiny import checkpoint_name
+from osvl.models.tiny import TinyKind, checkpoint_name
 from osvl.train.sft_data import check_tokenizer, count_rows, load_split, long_rows, parquet_files
 from osvl.train.sft_loop import JOB, draw_curves, train_loop
 
@@ -64,7 +64,7 @@ class SftConfig:
     data: DataConfig = opt(DataConfig, "Training data.")
     model: str = opt("", "Checkpoint directory to fine-tune (a relative path is taken from the repo root, as "
                          "osvl/models/weights/tiny_policy); empty = the tiny model of tiny_kind.")
-    tiny_kind: str = opt("qwen3_vl", "osvl.models.tiny kind used when model is empty (the run hash sees its "
+    tiny_kind: TinyKind = opt("qwen3_vl", "osvl.models.tiny kind used when model is empty (the run hash sees its "
                                       "checkpoint's name, which changes with its weights).", hash_as=checkpoint_name)
     epochs: float = opt(1.0, "Passes over the training trajectories (fractions allowed).")
     max_steps: int = opt(0, "Stop after this many optimizer steps (0 = epochs decide).")

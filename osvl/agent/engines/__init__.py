@@ -6,14 +6,15 @@ wheel is CUDA-only; the CPU build lives in its own test environment).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal, get_args
 
 from osvl.agent.engines.base import ChatEngine, GenRequest, GenResult, Sampling, TokenEngine
 from osvl.errors import ConfigError
 
-__all__ = ["ChatEngine", "GenRequest", "GenResult", "Sampling", "TokenEngine", "make_engine"]
+__all__ = ["ENGINES", "ChatEngine", "EngineKind", "GenRequest", "GenResult", "Sampling", "TokenEngine", "make_engine"]
 
-ENGINES = ("hf", "vllm")
+EngineKind = Literal["hf", "vllm"]
+ENGINES = get_args(EngineKind)
 
 
 def make_engine(kind: str, model: str, **kw: Any) -> TokenEngine:
