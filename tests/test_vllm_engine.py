@@ -26,12 +26,13 @@ except ImportError:
 
 import torch
 
+from osvl.agent.engines import make_engine
 from osvl.agent.engines.base import GenRequest, Sampling
 from osvl.agent.engines.hf import HFEngine
 from osvl.agent.engines.vllm import VLLMEngine
 from osvl.agent.trajectory import TrajectoryBuilder, processor_inputs, read_trajectories, write_trajectories
 from osvl.chat import IM_END, IM_START, IMAGE_PAD, VISION_END, VISION_START
-from osvl.errors import EngineError
+from osvl.errors import ConfigError, EngineError
 from osvl.models.tiny import tiny_checkpoint
 from osvl.train.batch import collate, token_logprobs
 
@@ -43,7 +44,7 @@ TOL = 5e-2  # issue 5: vLLM log-probs against an HF re-score
 @pytest.fixture(scope="module")
 def engines():
     path = tiny_checkpoint("qwen3_vl")
-    v = VLLMEngine(path, max_model_len=2048, max_num_seqs=16, kv_cache_gb=1)
+    v = VLLMEngine(path, max_model_len=2048, max_batch=16, kv_cache_gb=1)
     h = HFEngine(path)
     yield v, h
     v.close()
@@ -200,6 +201,11 @@ def test_refusals_are_typed_and_leave_the_engine_working(engines):
     assert out.token_ids == ref.token_ids
 
 
+def test_an_option_vllm_does_not_know_fails_before_it_starts():
+    with pytest.raises(ConfigError, match="vLLM engine option not understood.*max_batchez"):
+        make_engine("vllm", str(tiny_checkpoint("qwen3_vl")), max_batch=2, max_batchez=3)
+
+
 def test_engine_serves_and_updates_inside_a_ray_actor(engines, ray_cluster):
     """A rollout actor holds the engine; weights arrive through the object store, as in GRPO on CPU."""
     import ray
@@ -209,7 +215,8 @@ def test_engine_serves_and_updates_inside_a_ray_actor(engines, ray_cluster):
     @ray.remote(num_cpus=1)
     class Rollout:
         def __init__(self, path: str) -> None:
-            self.engine = VLLMEngine(path, max_model_len=1024, max_num_seqs=4, kv_cache_gb=1)
+            # built as rollout actors build theirs (osvl/rl/rollout.py): make_engine with the shared options
+            self.engine = make_engine("vllm", path, max_batch=4, version=-1, max_model_len=1024, kv_cache_gb=1)
 
         async def generate(self, req: GenRequest):
             return await self.engine.generate(req)

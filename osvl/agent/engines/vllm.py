@@ -92,12 +92,14 @@ class VLLMEngine:
     """``TokenEngine`` over vLLM; see the module docstring. fp32 by default, for exact re-scoring on CPU."""
 
     def __init__(self, model: str | Path, *, dtype: str = "float32", max_model_len: int = 8192,
-                 max_num_seqs: int = 64, max_images: int = 16, kv_cache_gb: int = 2,
+                 max_batch: int = 64, max_images: int = 16, kv_cache_gb: int = 2,
                  gpu_memory_utilization: float = 0.85, enforce_eager: bool = True, seed: int = 0,
                  version: int = 0, **engine_kw: Any) -> None:
-        """``kv_cache_gb`` sizes the KV cache on CPU, ``gpu_memory_utilization`` on GPU; ``engine_kw``
-        are further ``vllm.EngineArgs`` (keep the in-process, uni-process executor: weight updates
-        hand the worker a Python function)."""
+        """``max_batch`` is the option every engine shares (``make_engine``'s callers pass it): the most
+        sequences one engine step runs, vLLM's ``max_num_seqs``. ``kv_cache_gb`` sizes the KV cache on
+        CPU, ``gpu_memory_utilization`` on GPU; ``engine_kw`` are further ``vllm.EngineArgs`` (keep the
+        in-process, uni-process executor: weight updates hand the worker a Python function); a name
+        ``EngineArgs`` does not know is a ``ConfigError`` before anything starts."""
         from vllm import EngineArgs, LLMEngine
 
         self.path = str(model)
@@ -115,7 +117,7 @@ class VLLMEngine:
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(kv_cache_gb)))
         args = dict(
-            model=self.path, dtype=dtype, max_model_len=self.max_model_len, max_num_seqs=max_num_seqs,
+            model=self.path, dtype=dtype, max_model_len=self.max_model_len, max_num_seqs=max_batch,
             limit_mm_per_prompt={"image": max_images, "video": 0}, logprobs_mode="processed_logprobs",
             generation_config="vllm", enforce_eager=enforce_eager, seed=seed, distributed_executor_backend="uni",
             disable_log_stats=True,
@@ -124,7 +126,11 @@ class VLLMEngine:
             args["gpu_memory_utilization"] = gpu_memory_utilization
         args.update(engine_kw)
         try:
-            self._engine = LLMEngine.from_engine_args(EngineArgs(**args))
+            engine_args = EngineArgs(**args)
+        except TypeError as e:
+            raise ConfigError(f"vLLM engine option not understood: {e}") from e
+        try:
+            self._engine = LLMEngine.from_engine_args(engine_args)
         except (ValueError, RuntimeError, OSError) as e:
             raise EngineError(f"vLLM could not start on {self.path}: {e}") from e
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
