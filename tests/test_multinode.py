@@ -93,6 +93,12 @@ def _run_folders(top: Path) -> list[Path]:
     return found
 
 
+def _local_run_folders(cluster: dict) -> list[Path]:
+    """Run folders outside the bucket: in the checkout, the nodes' temp dirs (Ray's working-dir cache), /tmp."""
+    found = _run_folders(REPO) + [p for t in cluster["temp_dirs"].values() for p in _run_folders(t)]
+    return found + [p for p in Path("/tmp").glob("*/*") if p.parent.name in JOBS]
+
+
 def test_readme_shows_the_command_this_test_submits():
     import re
 
@@ -124,6 +130,7 @@ def test_grpo_job_on_a_multinode_cluster_with_s3_storage(multinode_cluster, s3_s
 
     cluster = multinode_cluster
     root = f"s3://{s3_store['bucket']}/runs-{uuid.uuid4().hex[:8]}"
+    before = set(_local_run_folders(cluster))  # e.g. `make demo`'s under runs/: not this job's
     t0 = time.time()
     job, lines = _submit(cluster, root)
     # kill rollout node "b" (its own processes only) once GRPO has trained a step
@@ -159,8 +166,7 @@ def test_grpo_job_on_a_multinode_cluster_with_s3_storage(multinode_cluster, s3_s
     assert any(f.startswith(f"grpo/e2e/checkpoints/step_{STEPS:06d}/ds/") for f in files)
     assert "grpo/e2e/report.json" in files
     # ... and no run folder anywhere else: the checkout, the nodes' temp dirs (Ray's working-dir cache), /tmp
-    stray = _run_folders(REPO) + [p for t in cluster["temp_dirs"].values() for p in _run_folders(t)]
-    stray += [p for p in Path("/tmp").glob("*/*") if p.parent.name in JOBS]
+    stray = [p for p in _local_run_folders(cluster) if p not in before]
     assert not stray, stray
 
     # the job went on without node b: every step trained, every issued group trained once or dropped with a reason
