@@ -89,8 +89,10 @@ demo: setup
 	$(PY) jobs/grpo.py $(DEMO_ARGS)
 
 # The multi-node tests run in a private network namespace with loopback only (tests/netns.sh says why).
-test: setup lint
-	$(PY) -m pytest -q --ignore=tests/test_multinode.py $(PYTEST_ARGS)
+# The vLLM environment comes first: the main suite's GRPO and eval jobs with vLLM engines run their
+# actors under its interpreter (tests/test_vllm_jobs.py, OSVL_VLLM_PYTHON).
+test: setup setup-vllm lint
+	OSVL_VLLM_PYTHON=$(abspath $(VLLM_PY)) $(PY) -m pytest -q --ignore=tests/test_multinode.py $(PYTEST_ARGS)
 	OSVL_REQUIRE_NETNS=1 tests/netns.sh $(PY) -m pytest -q -p no:cacheprovider tests/test_multinode.py $(PYTEST_ARGS)
 	$(MAKE) --no-print-directory test-vllm
 

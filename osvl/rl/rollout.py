@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import importlib.util
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,8 +39,10 @@ from osvl.agent.engines import EngineKind
 from osvl.agent.fatal import MaskStart
 from osvl.agent.loop import AgentConfig
 from osvl.agent.reward import RewardConfig
+from osvl.cluster import interpreter_env
 from osvl.config import opt
 from osvl.endpoint import EndpointConfig
+from osvl.errors import ConfigError
 from osvl.tools.text_search import TextSearchConfig
 
 
@@ -78,12 +81,23 @@ class RolloutConfig:
                                 "(the trajectories job's judge: section). A group with a sample it cannot judge "
                                 "after the client's retries is dropped with reason judge_failed, never scored 0.")
     weight_poll_s: float = opt(10.0, "Long-poll timeout of the weight store, seconds.", hashed=False)
+    python: str = opt("", "Interpreter of the environment the rollout actors and held-out evaluation run in (Ray's "
+                          "py_executable), for an engine the job's own environment lacks: the vLLM environment's "
+                          "bin/python (make setup-vllm: .venv-vllm/bin/python); empty = the job's own.", hashed=False)
 
     def check(self) -> None:
         self.agent.check()
         self.reward.check()
         if self.reward.uses_llm():
             self.judge.check("rollout.judge")
+        self.runtime_env()  # a wrong interpreter fails here, before any stage
+        if self.engine == "vllm" and not self.python and importlib.util.find_spec("vllm") is None:
+            raise ConfigError("rollout.engine=vllm: vLLM is not installed in this environment; set rollout.python to "
+                              "the interpreter of one that has it (make setup-vllm: .venv-vllm/bin/python)")
+
+    def runtime_env(self) -> dict[str, Any] | None:
+        """The Ray runtime_env of the rollout actors and held-out evaluation tasks (``python``)."""
+        return interpreter_env(self.python, "rollout.python")
 
     def episode_agent(self, greedy: bool = False) -> AgentConfig:
         """The agent section as an episode runs it: temperature 0 for evaluation."""
@@ -263,10 +277,15 @@ class RolloutWorker:
             self.stats.statuses[status] = self.stats.statuses.get(status, 0) + 1
 
     async def run(self) -> dict[str, Any]:
-        """Work until the buffer has issued every slot of the run; returns this actor's counters."""
+        """Work until the buffer has issued every slot of the run; returns this actor's counters.
+
+        After a normal finish the weight sync goes on until the actor is killed: the learner still trains
+        the last groups, and the launcher checks that every engine ends on its final version
+        (``osvl.rl.trainer.train``), which tests the weight path end to end."""
         self._version_event = asyncio.Event()
         sync = asyncio.create_task(self._sync_weights())
-        background = [sync]
+        self._sync_task = sync  # referenced, so the event loop keeps it after run() returns
+        background = []
         if self.rec is not None:
             background.append(asyncio.create_task(self._export_metrics()))
         try:
@@ -277,6 +296,9 @@ class RolloutWorker:
                 err = sync.exception()
                 raise RuntimeError(f"rollout actor {self.id}: weight sync failed: {err!r}") from err
             await workers
+        except BaseException:
+            sync.cancel()
+            raise
         finally:
             for task in background:
                 task.cancel()
@@ -285,7 +307,12 @@ class RolloutWorker:
         return self.get_stats()
 
     def get_stats(self) -> dict[str, Any]:
-        return {"actor": self.id, "version": self.engine.version, **self.stats.__dict__}
+        """The actor's counters, and what its engine says of itself: which engine, its interpreter, its counters."""
+        import sys
+
+        return {"actor": self.id, "version": self.engine.version, "engine": type(self.engine).__name__,
+                "python": sys.executable, "engine_stats": dict(getattr(self.engine, "stats", {})),
+                **self.stats.__dict__}
 
     def pid(self) -> int:
         import os
@@ -344,7 +371,8 @@ def heldout_scores(model_dir: str | Path, questions: list[dict[str, Any]], image
                                           concurrency, modes))
 
     task = ray.remote(evaluate).options(name="heldout_eval", num_cpus=cfg.cpus_per_actor, num_gpus=cfg.num_gpus,
-                                        resources=role_resources("rollout", cfg.role_units), max_retries=1)
+                                        resources=role_resources("rollout", cfg.role_units), max_retries=1,
+                                        runtime_env=cfg.runtime_env())
     n = max(1, min(workers or cfg.num_actors, len(questions)))
     bounds = [len(questions) * i // n for i in range(n + 1)]
     model, images = storage.location(model_dir), storage.location(image_dir)

@@ -262,7 +262,7 @@ def train(parts: GRPOParts, model_dir: str | Path, questions: list[dict[str, Any
         return ray.remote(RolloutWorker).options(
             num_cpus=rc.cpus_per_actor, num_gpus=rc.num_gpus, resources=role_resources("rollout", rc.role_units),
             scheduling_strategy="SPREAD",  # over the rollout nodes: losing one node loses the fewest actors
-            max_restarts=0, **named(name)).remote(
+            runtime_env=rc.runtime_env(), max_restarts=0, **named(name)).remote(
             name, rc, where["model"], questions_ref, where["questions"], where["images"], buffer, store,
             parts.rl.group_size, parts.rl.mask_at, rec)
 
@@ -293,8 +293,10 @@ def train(parts: GRPOParts, model_dir: str | Path, questions: list[dict[str, Any
     stats = ray.get(buffer.stats.remote())
     ledger = ray.get(buffer.ledger.remote())
     events = ray.get(buffer.events.remote())
-    actor_stats = [ray.get(a.get_stats.remote()) for n, a in monitor.actors.items() if n not in monitor.finished
-                   and _alive(a)] + list(monitor.finished.values())
+    final = ray.get(store.latest_version.remote())
+    actor_stats = final_actor_stats(monitor, final, timeout_s=2 * rc.weight_poll_s + 30)
+    events += [f"stale_engine {s['actor']}: version {s['version']} at the end, the learner's last is {final}"
+               for s in actor_stats if s.get("alive") and s["version"] != final]
     for a in monitor.actors.values():
         ray.kill(a)
     for h in (buffer, store):
@@ -306,6 +308,23 @@ def train(parts: GRPOParts, model_dir: str | Path, questions: list[dict[str, Any
     (out / "summary.json").write_text(json.dumps({k: v for k, v in summary.items() if k != "rows"}, default=str))
     publish(out)
     return summary
+
+
+def final_actor_stats(monitor: Monitor, version: int, timeout_s: float) -> list[dict[str, Any]]:
+    """Every rollout actor's counters at the end of the run, once its engine holds ``version`` (the
+    learner's last; its weight sync goes on after its groups are done) or ``timeout_s`` has passed;
+    ``alive`` marks the actors that could still answer (a dead one reports what its run returned)."""
+    import ray
+
+    live = {n: a for n, a in monitor.actors.items() if _alive(a)}
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = {n: ray.get(a.get_stats.remote(), timeout=30) for n, a in live.items()}
+        if all(s["version"] >= version for s in stats.values()) or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    return [{**s, "alive": True} for s in stats.values()] + [
+        {**s, "alive": False} for n, s in monitor.finished.items() if n not in live]
 
 
 def _alive(actor: Any) -> bool:
