@@ -45,3 +45,108 @@ def test_token_f1(pred, gold, expected):
 ])
 def test_answer_reward(response, answer, aliases, expected):
     assert answer_reward(response, answer, aliases) == expected
+
+
+# ---------------------------------------------------------------------------
+# LLMJudge against an in-process engine that records what it is asked (tests/test_reward.py drives it over HTTP)
+
+
+class RecordingEngine:
+    """``complete(messages, sampling)`` answering from a script of replies (then no verdict), recording the calls."""
+
+    def __init__(self, replies, name: str | None = "judge-a") -> None:
+        self.replies = list(replies)
+        self.calls = []
+        if name is not None:
+            self.name = name
+
+    async def complete(self, messages, sampling):
+        self.calls.append((messages, sampling))
+        return self.replies.pop(0) if self.replies else "I am not sure."
+
+
+def _judge(judge, *args):
+    import asyncio
+
+    return asyncio.run(judge.judge(*args))
+
+
+def test_llm_judge_prompt_sampling_and_counts():
+    from osvl.agent.judge import LLMJudge
+
+    engine = RecordingEngine(["correct: yes"])
+    judge = LLMJudge(engine)
+    assert judge.stats == {"asked": 0, "cache_hits": 0, "no_verdict": 0}
+    assert _judge(judge, "Where is the tower?", "Paris", ["City of Light", "Lutetia"], "in paris") == 1.0
+    (messages, sampling), = engine.calls  # a verdict on the first reply: asked once
+    assert [m["role"] for m in messages] == ["user"]
+    prompt = messages[0]["content"]
+    for line in ("Question: Where is the tower?", "Reference answer: Paris", "Aliases: City of Light, Lutetia",
+                 "Candidate answer: in paris", 'Reply with exactly one line: "correct: yes" or "correct: no".'):
+        assert line in prompt.splitlines()
+    assert (sampling.temperature, sampling.max_new_tokens) == (0.0, 16)
+    assert judge.stats == {"asked": 1, "cache_hits": 0, "no_verdict": 0}
+    engine.replies = ["correct: no"]
+    assert _judge(judge, "Where is the tower?", "Paris", [], "Lyon") == 0.0
+    assert "Aliases: none" in engine.calls[-1][0][0]["content"].splitlines()
+
+
+def test_llm_judge_cache_key_and_hits(tmp_path):
+    from osvl.agent.judge import LLMJudge
+
+    engine = RecordingEngine(["correct: yes"] * 8)
+    judge = LLMJudge(engine, cache_path=str(tmp_path / "deep" / "er" / "judge.jsonl"))  # parents are made
+    assert _judge(judge, "Q1", "Paris", ["Lutetia"], "Paris") == 1.0
+    assert _judge(judge, "Q1", "Paris", ["Lutetia"], "paris!") == 1.0  # same normalised response
+    assert _judge(judge, "Q1", "Paris", ["Lutetia"], "the Paris") == 1.0
+    assert len(engine.calls) == 1 and judge.stats["cache_hits"] == 2
+    # a different question, answer or alias list is a different verdict
+    for args in (("Q2", "Paris", ["Lutetia"], "Paris"), ("Q1", "Lyon", ["Lutetia"], "Paris"),
+                 ("Q1", "Paris", [], "Paris")):
+        _judge(judge, *args)
+    assert len(engine.calls) == 4 and judge.stats["cache_hits"] == 2
+    # another judge model does not reuse these verdicts, the same model in a new process does
+    other = LLMJudge(RecordingEngine(["correct: no"], name="judge-b"), cache_path=str(judge.cache_path))
+    assert _judge(other, "Q1", "Paris", ["Lutetia"], "Paris") == 0.0 and other.stats["asked"] == 1
+    again = LLMJudge(RecordingEngine([]), cache_path=str(judge.cache_path))
+    assert _judge(again, "Q1", "Paris", ["Lutetia"], "Paris") == 1.0 and again.stats["cache_hits"] == 1
+
+
+def test_llm_judge_reads_a_cache_written_by_the_documented_key(tmp_path):
+    """Verdict files outlive runs: the key is sha256 of the JSON list [model name or "", question, answer,
+    sorted aliases, normalised response], non-ASCII kept as is."""
+    import hashlib
+    import json
+
+    from osvl.agent.judge import LLMJudge
+
+    blob = json.dumps(["", "Où est né Pelé ?", "Três Corações", ["Ab", "Tres Coracoes"], "tres coracoes"],
+                      ensure_ascii=False)
+    line = {"key": hashlib.sha256(blob.encode()).hexdigest(), "correct": True}
+    path = tmp_path / "judge.jsonl"
+    path.write_text(json.dumps(line) + "\n\n")
+    engine = RecordingEngine([], name=None)  # an engine without a name
+    judge = LLMJudge(engine, cache_path=str(path))
+    assert _judge(judge, "Où est né Pelé ?", "Três Corações", ["Tres Coracoes", "Ab"], "Três Corações!") == 1.0
+    assert engine.calls == [] and judge.stats["cache_hits"] == 1
+
+
+def test_llm_judge_retries_then_fails_loudly():
+    from osvl.agent.judge import LLMJudge
+    from osvl.errors import EndpointUnavailable
+
+    engine = RecordingEngine(["hmm", "", "correct: no"])
+    judge = LLMJudge(engine)  # two retries by default: three asks
+    assert _judge(judge, "Q", "Paris", [], "Lyon") == 0.0
+    assert judge.stats == {"asked": 3, "cache_hits": 0, "no_verdict": 2}
+    engine = RecordingEngine([])
+    with pytest.raises(EndpointUnavailable, match="in 3 replies"):
+        _judge(LLMJudge(engine), "Q", "Paris", [], "Lyon")
+    assert len(engine.calls) == 3
+    engine = RecordingEngine(["hmm"] * 10)
+    judge = LLMJudge(engine, verdict_retries=1)
+    with pytest.raises(EndpointUnavailable, match=r"^judge judge-a: no 'correct: yes/no' verdict in 2 replies$"):
+        _judge(judge, "Q", "Paris", [], "Lyon")
+    assert len(engine.calls) == 2 and judge.stats["no_verdict"] == 2 and judge.cache == {}
+    with pytest.raises(EndpointUnavailable, match=r"^judge : no"):
+        _judge(LLMJudge(RecordingEngine([], name=None), verdict_retries=0), "Q", "Paris", [], "Lyon")
