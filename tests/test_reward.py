@@ -24,6 +24,7 @@ from osvl.agent.reward import (
     ProcessJudge,
     RewardConfig,
     mark_failed_groups,
+    prefix_turns,
     rule_query_score,
     score_trajectory,
 )
@@ -246,3 +247,161 @@ def test_process_judge_and_chat_engine_images(tmp_path):
         await chat.close()
 
     asyncio.run(_with_server(body))
+
+
+# ---------------------------------------------------------------------------
+# The rules in detail, and the judges against an in-process engine that records what it is asked
+
+
+def test_reward_config_checks_and_llm_need():
+    RewardConfig(alpha=0.0).check()
+    RewardConfig(alpha=1.0).check()
+    for alpha in (-0.1, 1.01, 2.0):
+        with pytest.raises(ConfigError, match=r"alpha must be in \[0, 1\]"):
+            RewardConfig(alpha=alpha).check()
+    with pytest.raises(ConfigError, match="judge must be one of"):
+        RewardConfig(judge="gpt").check()
+    with pytest.raises(ConfigError, match="query_scorer one of"):
+        RewardConfig(query_scorer="gpt").check()
+    with pytest.raises(ConfigError, match="fmt_scope must be 'prefix' or 'episode'"):
+        RewardConfig(fmt_scope="turns").check()
+    uses = {(j, q): RewardConfig(judge=j, query_scorer=q).uses_llm() for j in ("rule", "llm", "rule_then_llm")
+            for q in ("rule", "llm")}
+    assert uses == {("rule", "rule"): False, ("rule", "llm"): True, ("llm", "rule"): True, ("llm", "llm"): True,
+                    ("rule_then_llm", "rule"): True, ("rule_then_llm", "llm"): True}
+
+
+def test_prefix_turns_ends_at_the_cascade_by_default():
+    t = traj([turn(i) for i in range(5)], fatal=(1, 3))
+    assert [x.index for x in prefix_turns(t)] == [0]
+    assert [x.index for x in prefix_turns(t, "kth")] == [0, 1, 2]
+    assert [x.index for x in prefix_turns(traj([turn(i) for i in range(3)]))] == [0, 1, 2]
+
+
+def test_content_words_and_names():
+    from osvl.agent.reward import _names, content_words
+
+    assert content_words("The Tower of London, in 1894") == ["tower", "london", "1894"]
+    assert _names("over TOWER\n bridge.", "Tower Bridge") and not _names("towers bridge", "Tower Bridge")
+    assert not _names("anything", "   ")  # a blank title names nothing
+
+
+RIVER = {"question": "Which river flows through Lyon?"}  # no path: r_query is the mean of grounded * fresh
+
+
+@pytest.mark.parametrize("queries, expected", [
+    ([], 0.0),                                         # no query and no path
+    (["river Lyon", "Lyon river flows"], 1.0),         # grounded in the question; distinct queries are fresh
+    (["Lyon zebra"], 1.0),                             # half the content words known: grounded
+    (["Lyon zebra giraffe"], 0.0),                     # a third known: not grounded
+    (["Lyon zebra", "Lyon zebra giraffe"], 0.5),       # the mean over queries
+])
+def test_rule_query_score_grounding_without_a_path(queries, expected):
+    turns = [turn(i, "text_search", {"query": q}, "No results") for i, q in enumerate(queries)]
+    assert rule_query_score(turns, RIVER) == pytest.approx(expected)
+
+
+def test_rule_query_score_progress_reads_successful_answers_only():
+    question = {"question": "Where is it?", "path": [{"title": "England"}]}
+    # a title at the end of one answer, then another answer: progress 1; the query names words of the first answer
+    ok = [turn(0, "image_search", {"image": "img_1"}, "1. Tower Bridge, England"),
+          turn(1, "text_search", {"query": "Tower Bridge England"}, "London")]
+    assert rule_query_score(ok, question) == 1.0
+    # the same text in an error is neither progress nor something the agent was told
+    err = [turn(0, "image_search", {"image": "img_1"}, "Error: Tower Bridge, England", status="error"),
+           turn(1, "text_search", {"query": "Tower Bridge"}, "London")]
+    assert rule_query_score(err, question) == 0.0
+
+
+class RecordingEngine:
+    """``complete(messages, sampling)`` answering from a script of replies (then garbage), recording the calls."""
+
+    def __init__(self, replies, name: str | None = "judge-a") -> None:
+        self.replies = list(replies)
+        self.calls = []
+        if name is not None:
+            self.name = name
+
+    async def complete(self, messages, sampling):
+        self.calls.append((messages, sampling))
+        return self.replies.pop(0) if self.replies else "Looks fine."
+
+
+def test_process_judge_prompt_clamp_and_retries():
+    engine = RecordingEngine(["score: 15"])
+    judge = ProcessJudge(engine, observation_chars=5)
+    assert asyncio.run(judge.score(list(GOOD), QUESTION)) == 1.0  # 15 / 10 clamped to 1
+    (messages, sampling), = engine.calls
+    assert [m["role"] for m in messages] == ["user"] and (sampling.temperature, sampling.max_new_tokens) == (0.0, 16)
+    lines = messages[0]["content"].splitlines()
+    assert f"Question: {QUESTION['question']}" in lines
+    calls = lines[lines.index("The agent's tool calls and what they returned:") + 1:]
+    assert calls[:3] == ["- image_search({'image': 'img_1'}) -> 1. To",  # observations cut to 5 characters
+                         "- text_search({'query': 'Tower Bridge country'}) -> 1. En", ""]  # the answer turn: no line
+    engine = RecordingEngine(["no idea", "score: 3\nscore: 7.5"])
+    assert asyncio.run(ProcessJudge(engine).score([GOOD[2]], {})) == 0.75  # the last score line
+    lines = engine.calls[0][0][0]["content"].splitlines()
+    assert "Question: " in lines and "(none)" in lines
+    engine = RecordingEngine([])  # the defaults: two retries, observations cut to 400 characters
+    long = [turn(0, "text_search", {"query": "q"}, "y" * 500)]
+    with pytest.raises(EndpointUnavailable, match=r"^process judge judge-a: no 'score: N' verdict$"):
+        asyncio.run(ProcessJudge(engine).score(long, QUESTION))
+    assert len(engine.calls) == 3
+    assert "- text_search({'query': 'q'}) -> " + "y" * 400 in engine.calls[0][0][0]["content"].splitlines()
+    with pytest.raises(EndpointUnavailable, match=r"^process judge : no 'score: N' verdict$"):
+        asyncio.run(ProcessJudge(RecordingEngine([], name=None), verdict_retries=0).score(list(GOOD), QUESTION))
+
+
+class ScriptedJudge:
+    """An LLM answer judge that records its calls and answers ``verdict`` (or raises it)."""
+
+    def __init__(self, verdict) -> None:
+        self.verdict = verdict
+        self.calls = []
+
+    async def judge(self, question, answer, aliases, response):
+        self.calls.append((question, answer, list(aliases), response))
+        if isinstance(self.verdict, Exception):
+            raise self.verdict
+        return self.verdict
+
+
+def test_score_trajectory_gold_forms_judges_and_failures():
+    def score(t, question=QUESTION, cfg=None, **kw):
+        return asyncio.run(score_trajectory(t, question, cfg or RewardConfig(), **kw))
+
+    with pytest.raises(ConfigError, match=r"^judge='llm' needs an llm_judge$"):
+        score(traj(list(GOOD)), cfg=RewardConfig(judge="llm"))
+    with pytest.raises(ConfigError, match=r"^query_scorer='llm' needs a process_judge$"):
+        score(traj(list(GOOD)), cfg=RewardConfig(query_scorer="llm"))
+    # no assistant turn at all: r_fmt 0, so the reward is 0 whatever the answer
+    t = score(traj([]))
+    assert (t.r_fmt, t.r_acc, t.reward) == (0.0, 1.0, 0.0)
+    # the question record's gold forms win over the trajectory's copies; missing ones fall back to them
+    other = {"question": "Which city?", "answer": "Paris", "answer_aliases": ["Lutetia"]}
+    assert score(traj(list(GOOD), final="Lutetia"), other).r_acc == 1.0
+    assert score(traj(list(GOOD), final="London"), other).r_acc == 0.0
+    assert score(traj(list(GOOD), final="London"), {"question": "Which city?"}).r_acc == 1.0
+    assert score(traj(list(GOOD), final="City of London"), {"question": "Which city?"}).r_acc == 1.0
+    # an answer given when the episode stopped for another reason does not count
+    assert score(traj(list(GOOD), final="London", stop="max_tokens")).r_acc == 0.0
+    # judge="llm": the LLM alone decides, asked with the question text and the gold forms
+    llm = ScriptedJudge(0.0)
+    assert score(traj(list(GOOD), final="London"), cfg=RewardConfig(judge="llm"), llm_judge=llm).r_acc == 0.0
+    assert llm.calls == [(QUESTION["question"], "London", ["City of London"], "London")]
+    # rule_then_llm: the rule's yes stands, its no goes to the LLM
+    llm = ScriptedJudge(1.0)
+    cfg = RewardConfig(judge="rule_then_llm")
+    assert score(traj(list(GOOD), final="London"), cfg=cfg, llm_judge=llm).r_acc == 1.0 and llm.calls == []
+    assert score(traj(list(GOOD), final="the British capital"), cfg=cfg, llm_judge=llm).r_acc == 1.0
+    assert len(llm.calls) == 1
+    # a judge failure: r_acc and reward 0, marked, the message kept (cut to 200 characters)
+    t = score(traj(list(GOOD), final="Paris"), cfg=RewardConfig(judge="llm"),
+              llm_judge=ScriptedJudge(EndpointUnavailable("x" * 300)))
+    assert (t.r_acc, t.reward, t.judge_status) == (0.0, 0.0, "failed")
+    assert t.events == ["judge_failed:" + "x" * 200]
+    ok = traj(list(GOOD), group="g")
+    ok.events = ["seen"]
+    t.group_id = "g"
+    assert mark_failed_groups([t, ok]) == 1 and ok.events == ["seen", "judge_failed:group"]
+    assert mark_failed_groups([t, ok]) == 0 and t.events == ["judge_failed:" + "x" * 200]
