@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from osvl.agent.trajectory import Trajectory
+from osvl.errors import DataError
 from osvl.rl.learner import RLConfig, grpo_loss
 from osvl.rl.learner_loop import micro_batches, rank_share, rl_batch
 
@@ -104,6 +105,8 @@ def test_rl_batch_cut_keeps_a_long_row_and_its_group_statistics(processor):
     assert batch["reward"][:3].tolist() == pytest.approx([0.1, 0.9, 0.5])
     assert dropped["reward"][:2].tolist() == pytest.approx([0.1, 0.9])
     assert len(dropped["reward"]) == 5 and int(dropped["n_dropped"]) == 0  # left out before collate
+    with pytest.raises(DataError, match="truncation must be one of"):  # a misspelt policy is refused, not guessed
+        rl_batch(gs, "", processor, RLConfig(max_len=36, truncation="cutt"))
 
 
 def test_micro_batches_pack_whole_groups_shortest_first():
@@ -123,6 +126,11 @@ def test_micro_batches_pack_whole_groups_shortest_first():
     mixed = [group(0, 2, 9), [record(1, 0, 2, turn_len=40), record(1, 1, 2, turn_len=1)]]
     packed = micro_batches(mixed, RLConfig(max_len=70, truncation="drop", micro_rows=3))
     assert [[g[0].group_id for g in chunk] for chunk in packed] == [["g1", "g0"]]
+    # the count of rows runs over the whole micro-batch: a third group of 2 does not fit beside 2 + 2
+    trio = micro_batches([group(6, 2, 2), group(7, 2, 3), group(8, 2, 4)], cfg)
+    assert [[g[0].group_id for g in chunk] for chunk in trio] == [["g6", "g7"], ["g8"]]
+    # a record of exactly max_len tokens (4 + 2 * 33) is trainable
+    assert micro_batches([[record(9, 0, 2, turn_len=30)]], cfg) == [[[record(9, 0, 2, turn_len=30)]]]
     # under "cut" nothing is left out for length
     cut = micro_batches(gs, RLConfig(max_len=70, truncation="cut", micro_rows=0))
     assert [[g[0].group_id for g in chunk] for chunk in cut] == [["g5", "g1", "g4", "g2", "g0", "g3"]]
@@ -146,3 +154,26 @@ def test_rank_share_whole_groups_and_stand_ins():
     # nothing trainable in the whole step: every rank skips it
     assert rank_share([group(3, 2, 40)], 0, 2, cfg) is None
     assert rank_share([], 0, 2, cfg) is None
+
+
+def test_rl_batch_reads_the_pixels_from_the_image_folder(processor, tmp_path):
+    """An image record's pixels come from ``image_dir`` (what the engine saw, rebuilt by ``processor_inputs``)."""
+    import numpy as np
+
+    from osvl import chat as fmt
+    from osvl.agent.trajectory import TrajectoryBuilder, Turn, png_bytes, processor_inputs
+
+    img = (np.arange(56 * 84 * 3) % 251).astype(np.uint8).reshape(56, 84, 3)
+    bld = TrajectoryBuilder(processor)
+    bld.add_image(img)
+    bld.add_text(fmt.render([{"role": "user", "content": "Q?", "images": ["img_1"]}], add_generation_prompt=True))
+    bld.add_model_text(fmt.assistant_text("done", response="A"), 0)
+    bld.add_text(f"{fmt.IM_END}\n")
+    tr = bld.build(kind="teacher", id="i0", question_id="q", group_id="g", question="Q?", answer="A",
+                   answer_aliases=[], turns=[Turn(0, "done", "response")], stop_reason="response", budgets={})
+    (sha,) = tr.images
+    (tmp_path / f"{sha}.png").write_bytes(png_bytes(img))
+    batch = rl_batch([[tr]], str(tmp_path), processor, RLConfig(max_len=10_000))
+    want = processor_inputs([img], tr.image_max_pixels, processor)
+    assert torch.equal(batch["pixel_values"], torch.as_tensor(want["pixel_values"]))
+    assert batch["fatal"].tolist() == [False] and batch["old_logprobs"].abs().sum() == 0  # a teacher record

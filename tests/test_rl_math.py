@@ -186,17 +186,22 @@ def _ref_logp(i: int, t: int) -> float:
     return 0.05 * ((i + t) % 4)
 
 
+def _old_logp(i: int, t: int) -> float:
+    """Behaviour log-probs (not 0: the ratio is exp(logp - old_logp), whatever their level)."""
+    return -0.5 - 0.1 * ((i + 2 * t) % 5)
+
+
 def _loss_batch(rows=ROWS) -> dict[str, torch.Tensor]:
     ix = [ROWS.index(r) for r in rows]
     return {
         "gen_mask": torch.tensor([r["layout"][0] for r in rows], dtype=torch.float32),
         "step_ids": torch.tensor([r["layout"][1] for r in rows]),
-        "old_logprobs": torch.zeros(len(rows), 8),
+        "old_logprobs": torch.tensor([[_old_logp(i, t) for t in range(8)] for i in ix]),
         "reward": torch.tensor([r["reward"] for r in rows]),
         "group": torch.tensor([r["group"] for r in rows]),
         "fatal": torch.tensor([r["fatal"] for r in rows]),
         "mask_start": torch.tensor([r["start"] for r in rows]),
-        "logp": torch.tensor([[_log_ratio(i, t) for t in range(8)] for i in ix]),
+        "logp": torch.tensor([[_old_logp(i, t) + _log_ratio(i, t) for t in range(8)] for i in ix]),
         "ref_logp": torch.tensor([[_ref_logp(i, t) for t in range(8)] for i in ix]),
     }
 
@@ -229,7 +234,7 @@ def _expected_loss(mode: str, aggregation: str, beta: float) -> dict[str, float]
                 continue
             rho = math.exp(_log_ratio(i, t))
             pg += min(rho * a, min(max(rho, 0.8), 1.28) * a)
-            r = _ref_logp(i, t) - _log_ratio(i, t)
+            r = _ref_logp(i, t) - (_old_logp(i, t) + _log_ratio(i, t))
             kl += math.exp(r) - r - 1
             n += 1
             clipped += not 0.8 <= rho <= 1.28
@@ -344,3 +349,42 @@ def test_kl_term_only_with_a_positive_beta():
                       ref_logp=batch["ref_logp"], beta=0.0)
     assert out.kl.item() == 0.0
     assert out.loss.item() == pytest.approx(out.policy_loss.item())
+
+
+def test_group_advantages_details():
+    # integer rewards (r_acc alone) still give fractional advantages
+    adv = group_advantages(torch.tensor([1, 0, 0, 1]), torch.zeros(4, dtype=torch.long))
+    assert adv.dtype == torch.float32
+    assert adv.tolist() == pytest.approx([0.8660254, -0.8660254, -0.8660254, 0.8660254], abs=1e-5)
+    # a singleton group does not end the pass over the groups after it
+    adv = group_advantages(torch.tensor([0.7, 1.0, 0.0]), torch.tensor([0, 1, 1]))
+    assert adv.tolist() == pytest.approx([0.0, 0.7071064, -0.7071064], abs=1e-5)
+    # δ keeps nearly identical rewards from blowing up: ±5e-7 / (7.07e-7 + 1e-6)
+    adv = group_advantages(torch.tensor([0.0, 1e-6]), torch.zeros(2, dtype=torch.long))
+    assert adv.tolist() == pytest.approx([-0.2928932, 0.2928932], rel=1e-3)
+    with pytest.raises(ValueError, match="baseline must be 'grpo' or 'rloo', got 'ppo'"):
+        group_advantages(torch.tensor([1.0]), torch.tensor([0]), baseline="ppo")
+
+
+def test_policy_loss_reports_and_errors():
+    one = torch.ones(1, 1)
+    # a single trained token, clipped: clip fraction 1, coverage 1 (divisors clamped at 1 token, not more)
+    out = policy_loss(torch.full((1, 1), math.log(1.5)), torch.zeros(1, 1), torch.tensor([1.0]), one, gen_mask=one)
+    assert out.clip_fraction.item() == 1.0 and out.mask_coverage.item() == 1.0
+    # a ratio exactly at a bound is not clipped (here both bounds are 1)
+    out = policy_loss(torch.zeros(1, 2), torch.zeros(1, 2), torch.tensor([1.0]), torch.ones(1, 2), eps_low=0.0,
+                      eps_high=0.0)
+    assert out.clip_fraction.item() == 0.0 and out.loss.item() == -1.0
+    # the KL term is off by default, even with reference log-probs
+    out = policy_loss(torch.zeros(1, 1), torch.zeros(1, 1), torch.tensor([1.0]), one, ref_logp=torch.ones(1, 1))
+    assert out.kl.item() == 0.0 and out.loss.item() == -1.0
+    with pytest.raises(ValueError, match="aggregation must be one of .*got 'sum'"):
+        policy_loss(torch.zeros(1, 1), torch.zeros(1, 1), torch.tensor([1.0]), one, aggregation="sum")
+
+
+def test_fatal_rule_errors_name_the_setting():
+    assert find_fatal([F, T, T, T]) == Fatal(1, 3) and find_fatal([T, T, F, T, T]) is None  # K = 3 by default
+    with pytest.raises(ConfigError, match="K must be >= 1, got 0"):
+        find_fatal([T], 0)
+    with pytest.raises(ConfigError, match=r"mask start must be one of \('cascade', 'kth'\), got 'nope'"):
+        mask_start(2, 4, "nope")
