@@ -101,3 +101,33 @@ def test_the_grpo_job_refuses_a_misspelt_engine_in_seconds_building_nothing(tmp_
     assert proc.returncode != 0
     assert "rollout.engine: 'vlm' is not one of 'hf', 'vllm'" in proc.stderr
     assert not any(tmp_path.iterdir())  # no stage ran, no Ray started
+
+
+def test_vllm_runs_bf16_with_cuda_graphs_on_gpu_and_exactly_on_cpu():
+    from osvl.agent.engines import VLLMOptions, vllm_args
+
+    cpu, gpu = vllm_args(VLLMOptions(), 16384, gpu=False), vllm_args(VLLMOptions(), 16384, gpu=True)
+    assert (cpu["dtype"], cpu["enforce_eager"], cpu["max_model_len"]) == ("float32", True, 16384)
+    assert (gpu["dtype"], gpu["enforce_eager"], gpu["max_model_len"]) == ("bfloat16", False, 16384)
+    assert "tensor_parallel_size" not in gpu  # one GPU: vLLM's in-process executor
+    tp = vllm_args(VLLMOptions(tensor_parallel_size=2, max_model_len=32768, dtype="float16"), 16384, gpu=True)
+    assert (tp["tensor_parallel_size"], tp["distributed_executor_backend"], tp["max_model_len"], tp["dtype"]) == (
+        2, "mp", 32768, "float16")
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--rollout.vllm.max_model_len=8192"], "rollout.vllm.max_model_len=8192 is below the episode budget "
+                                            "agent.max_episode_tokens=16384"),
+    (["--rollout.vllm.tensor_parallel_size=2", "--rollout.num_gpus=1"],
+     "rollout.vllm.tensor_parallel_size=2 needs rollout.num_gpus=2"),
+    (["--rollout.python=/no/such/python"], "rollout.python: no Python interpreter at '/no/such/python'"),
+    (["--rollout.python="], "rollout.engine=vllm: vLLM is not installed in this environment"),  # this one has none
+])
+def test_a_vllm_setting_that_would_fail_on_the_cluster_fails_at_start(flags, message):
+    from osvl.rl.job import JOB, GRPOConfig
+
+    cfg = parse_args(GRPOConfig, JOB, ["--rollout.engine=vllm", f"--rollout.python={sys.executable}",
+                                       "--rollout.agent.max_episode_tokens=16384", *flags])
+    with pytest.raises(ConfigError) as err:
+        cfg.rollout.check()
+    assert str(err.value).startswith(message), err.value

@@ -26,7 +26,7 @@ except ImportError:
 
 import torch
 
-from osvl.agent.engines import make_engine
+from osvl.agent.engines import VLLMOptions, make_engine
 from osvl.agent.engines.base import GenRequest, Sampling
 from osvl.agent.engines.hf import HFEngine
 from osvl.agent.engines.vllm import VLLMEngine
@@ -216,7 +216,8 @@ def test_engine_serves_and_updates_inside_a_ray_actor(engines, ray_cluster):
     class Rollout:
         def __init__(self, path: str) -> None:
             # built as rollout actors build theirs (osvl/rl/rollout.py): make_engine with the shared options
-            self.engine = make_engine("vllm", path, max_batch=4, version=-1, max_model_len=1024, kv_cache_gb=1)
+            self.engine = make_engine("vllm", path, max_batch=4, version=-1, vllm=VLLMOptions(kv_cache_gb=1),
+                                      episode_tokens=1024)
 
         async def generate(self, req: GenRequest):
             return await self.engine.generate(req)

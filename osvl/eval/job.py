@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from osvl.agent.engines import EngineKind
+from osvl.agent.engines import EngineKind, VLLMOptions
 from osvl.agent.evaluate import MODES
 from osvl.agent.loop import AgentConfig
 from osvl.cluster import interpreter_env
@@ -60,6 +60,8 @@ class EvalConfig:
     modes: list[str] = opt(["direct", "rag", "agentic"], "Modes to run: direct, rag, agentic.")
     model: str = opt("tiny-agent", "Checkpoint directory, 'tiny-agent', 'tiny', 'openai:NAME' or 'oracle'.")
     engine: EngineKind = opt("hf", "Token engine for a checkpoint.")
+    vllm: VLLMOptions = opt(VLLMOptions, "engine=vllm: how the engine runs (dtype, max_model_len, GPU memory, CUDA "
+                                         "graphs, tensor parallelism).")
     python: str = opt("", "Interpreter of the environment the evaluation actors run in (Ray's py_executable), for an "
                           "engine this one lacks: the vLLM environment's bin/python (make setup-vllm: "
                           ".venv-vllm/bin/python); empty = the job's own.", hashed=False)
@@ -114,6 +116,8 @@ def check(cfg: EvalConfig) -> None:
     if cfg.inflight < 1 or cfg.num_actors < 1:
         raise ConfigError("inflight and num_actors must be >= 1")
     interpreter_env(cfg.python, "python")  # a wrong interpreter fails here
+    if cfg.engine == "vllm":
+        cfg.vllm.check("vllm", cfg.agent.max_episode_tokens)
     if cfg.engine == "vllm" and not cfg.python and importlib.util.find_spec("vllm") is None:
         raise ConfigError("engine=vllm: vLLM is not installed in this environment; set python to the interpreter "
                           "of one that has it (make setup-vllm: .venv-vllm/bin/python)")
@@ -169,7 +173,8 @@ class EvalWorker:
         else:
             from osvl.agent.engines import make_engine
 
-            self.engine = make_engine(self.cfg.engine, model_path, max_batch=self.cfg.max_batch)
+            self.engine = make_engine(self.cfg.engine, model_path, max_batch=self.cfg.max_batch, vllm=self.cfg.vllm,
+                                      episode_tokens=self.cfg.agent.max_episode_tokens)
             self.processor = self.engine.processor
             offer = self.cfg.offer or trained_tools(model_path)
         schemas = offered_tools(offer, self.cfg.schemas)

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from osvl import storage
-from osvl.agent.engines import EngineKind
+from osvl.agent.engines import EngineKind, VLLMOptions
 from osvl.agent.fatal import MaskStart
 from osvl.agent.loop import AgentConfig
 from osvl.agent.reward import RewardConfig
@@ -59,6 +59,8 @@ class RolloutConfig:
                                  "engine requests; 0 = none.", hashed=False)
     engine: EngineKind = opt("hf", "Token engine: hf (transformers generate) or vllm.")
     max_batch: int = opt(32, "Most turns the engine batches into one generate call.", hashed=False)
+    vllm: VLLMOptions = opt(VLLMOptions, "engine=vllm: how the engines run (dtype, max_model_len, GPU memory, CUDA "
+                                         "graphs, tensor parallelism).")
     groups_in_flight: int = opt(2, "Groups each actor works on concurrently (x G episodes in flight).",
                                 hashed=False)
     tools: Literal["inprocess", "handle"] = opt("inprocess", "Tool transport: inprocess (in the actor) or handle "
@@ -91,6 +93,12 @@ class RolloutConfig:
         if self.reward.uses_llm():
             self.judge.check("rollout.judge")
         self.runtime_env()  # a wrong interpreter fails here, before any stage
+        if self.engine == "vllm":
+            self.vllm.check("rollout.vllm", self.agent.max_episode_tokens)
+            tp = self.vllm.tensor_parallel_size
+            if tp > 1 and self.num_gpus != tp:
+                raise ConfigError(f"rollout.vllm.tensor_parallel_size={tp} needs rollout.num_gpus={tp} (each "
+                                  f"engine's actor holds its GPUs), got {self.num_gpus:g}")
         if self.engine == "vllm" and not self.python and importlib.util.find_spec("vllm") is None:
             raise ConfigError("rollout.engine=vllm: vLLM is not installed in this environment; set rollout.python to "
                               "the interpreter of one that has it (make setup-vllm: .venv-vllm/bin/python)")
@@ -132,7 +140,8 @@ class RolloutWorker:
         # locations (osvl.storage): this actor may run on a node that holds no copy of the folders
         self.question_image_dir, self.image_dir = storage.attach(question_image_dir), storage.attach(image_dir)
         self.image_dir.mkdir(parents=True, exist_ok=True)
-        self.engine = make_engine(cfg.engine, str(storage.attach(model_dir)), max_batch=cfg.max_batch, version=-1)
+        self.engine = make_engine(cfg.engine, str(storage.attach(model_dir)), max_batch=cfg.max_batch, version=-1,
+                                  vllm=cfg.vllm, episode_tokens=cfg.agent.max_episode_tokens)
         self.processor = self.engine.processor
         self.tools = offered_tools(cfg.offer, cfg.schemas)
         self.rec = recorder
@@ -329,7 +338,8 @@ async def _eval_episodes(model_dir: str, questions: list[dict[str, Any]], image_
     from osvl.tools.client import make_client
     from osvl.tools.registry import offered_tools
 
-    engine = make_engine(cfg.engine, model_dir, max_batch=cfg.max_batch)
+    engine = make_engine(cfg.engine, model_dir, max_batch=cfg.max_batch, vllm=cfg.vllm,
+                         episode_tokens=cfg.agent.max_episode_tokens)
     text_search.configure(cfg.text_search)
     client = make_client("inprocess")
     tools = offered_tools(cfg.offer, cfg.schemas)
