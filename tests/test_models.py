@@ -301,3 +301,35 @@ def test_import_osvl_models_is_light():
     code = "import sys, osvl.models; print('torch' in sys.modules, 'transformers' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=True)
     assert out.stdout.split() == ["False", "False"]
+
+
+def test_a_hub_id_loads_from_the_local_cache_offline_and_a_missing_one_says_how_to_get_it(qwen3_dir, tmp_path):
+    """``--model=org/name`` resolves in the Hugging Face cache (the layout ``hf download`` writes) with
+    ``HF_HUB_OFFLINE=1``; nothing is fetched. Run in a child process: huggingface_hub reads its cache location
+    from the environment when it is imported."""
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "hub" / "models--osvl--tiny-qwen3-vl"
+    shutil.copytree(qwen3_dir, repo / "snapshots" / commit)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    code = ("import sys; from osvl.models.load import load_model, model_location\n"
+            "path = model_location(sys.argv[1]); load_model(path); print(path)")
+    env = {**os.environ, "HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run([sys.executable, "-c", code, "osvl/tiny-qwen3-vl"], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == str(repo / "snapshots" / commit)
+    done = subprocess.run([sys.executable, "-c", code, "osvl/not-downloaded"], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode != 0
+    assert "model 'osvl/not-downloaded' is not in the Hugging Face cache: download it first" in done.stderr
+
+
+def test_model_locations_keep_a_uri_and_make_a_directory_absolute(qwen3_dir, monkeypatch):
+    from osvl.models.load import model_location
+
+    assert model_location("s3://bucket/models/policy") == "s3://bucket/models/policy"
+    monkeypatch.chdir(qwen3_dir.parent)
+    assert model_location(qwen3_dir.name) == str(qwen3_dir.resolve())
+    with pytest.raises(ModelLoadError, match="not a checkpoint directory, a storage URI or a hub id"):
+        model_location("no such dir")

@@ -57,9 +57,22 @@ def _job(script: str, args: list[str], timeout: int) -> subprocess.CompletedProc
     return proc
 
 
+def _upload(folder: Path, uri: str) -> None:
+    import pyarrow.fs as pafs
+
+    from osvl import storage
+
+    fs, path = storage.open_root(uri)
+    pafs.copy_files(str(folder), path, source_filesystem=pafs.LocalFileSystem(), destination_filesystem=fs)
+
+
 @pytest.mark.timeout(900)
-def test_grpo_with_vllm_rollouts_in_the_vllm_environment(tmp_path, questions, agent_model, vllm_python):
-    args = [f"--run.root={tmp_path}", "--run.name=vllm", f"--questions={questions}", f"--model={agent_model}",
+def test_grpo_with_vllm_rollouts_in_the_vllm_environment(tmp_path, questions, agent_model, vllm_python, s3_store):
+    """The policy comes from the bucket: the driver passes its URI on, and the rollout actor (in the vLLM
+    environment) and the learner worker each pull their own copy."""
+    model = f"s3://{s3_store['bucket']}/models/agent-{os.getpid()}"
+    _upload(agent_model, model)
+    args = [f"--run.root={tmp_path}", "--run.name=vllm", f"--questions={questions}", f"--model={model}",
             "--rollout.engine=vllm", f"--rollout.python={vllm_python}", "--rollout.num_actors=1",
             "--rollout.max_batch=8", "--rollout.offer=crop,text_search",
             f"--rollout.schemas={questions / 'schemas.json'}",
@@ -78,9 +91,13 @@ def test_grpo_with_vllm_rollouts_in_the_vllm_environment(tmp_path, questions, ag
     [actor] = summary["actors"]
     # the actor says which engine served its turns, in which environment, and that it took every version
     assert actor["engine"] == "VLLMEngine" and actor["python"] == vllm_python, actor
+    assert Path(actor["model"]).name == Path(model).name and Path(actor["model"]) != agent_model, actor  # a mirror
     assert actor["engine_stats"]["requests"] > 0 and actor["engine_stats"]["updates"] >= STEPS, actor
     assert actor["alive"] and actor["version"] == STEPS, actor  # the learner's last version
     assert not [e for e in summary["events"] if e.startswith("stale_engine")], summary["events"]
+    assert f"policy {model} -> " in proc.stdout + proc.stderr  # the driver kept the URI, it did not load it
+    # the learner worker pulled it too: its checkpoint is the bucket's model trained STEPS steps
+    assert (out / "checkpoints" / f"step_{STEPS:06d}" / "hf" / "model.safetensors").is_file()
 
 
 @pytest.mark.timeout(600)

@@ -21,6 +21,7 @@ breaks token-exact multi-turn records).
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,7 @@ from transformers.models.qwen2_vl import processing_qwen2_vl
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 from transformers.models.qwen3_vl import processing_qwen3_vl
 
+from osvl import storage
 from osvl.chat import CHAT_TEMPLATE
 from osvl.errors import ModelLoadError
 
@@ -78,6 +80,31 @@ WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 # keys of a saved image-processor config that name classes rather than set the processing
 _NOT_IMAGE_KWARGS = {"image_processor_type", "processor_class", "auto_map", "_processor_class"}
+
+
+HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")
+
+
+def model_location(model: str) -> str:
+    """Where a job's actors and workers find ``model``: a storage URI as it is (each node pulls its own copy
+    through ``osvl.storage``), a local directory made absolute, or a Hugging Face hub id (``org/name``) as its
+    snapshot in the local Hugging Face cache. Nothing is downloaded at run time (``HF_HUB_OFFLINE=1`` holds):
+    fetch a hub model beforehand (``hf download org/name``) into a cache every node reads (``HF_HOME``)."""
+    if storage.is_uri(model):
+        return model
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return str(path.resolve())
+    if HUB_ID.fullmatch(model):
+        from huggingface_hub import snapshot_download
+        from huggingface_hub.errors import LocalEntryNotFoundError
+
+        try:
+            return snapshot_download(model, local_files_only=True)
+        except LocalEntryNotFoundError as e:
+            raise ModelLoadError(f"model {model!r} is not in the Hugging Face cache: download it first "
+                                 f"(hf download {model}); jobs never fetch from the hub") from e
+    raise ModelLoadError(f"model {model!r}: not a checkpoint directory, a storage URI or a hub id (org/name)")
 
 
 def read_config(path: str | Path) -> dict[str, Any]:

@@ -59,7 +59,8 @@ class GRPOConfig:
     run: RunConfig = opt(RunConfig, "Run root and global seed.")
     questions: str = opt("", "Synthesize run folder (rl/heldout.parquet + images/); empty = build or reuse the "
                              "synthesize job's run with the synth section below.")
-    model: str = opt("", "Policy to start from (HF directory); empty = build or reuse expert trajectories "
+    model: str = opt("", "Policy to start from: an HF directory, a storage URI (s3://..., each node pulls its copy) "
+                         "or a hub id in the local Hugging Face cache; empty = build or reuse expert trajectories "
                          "(trajectories section) and SFT (sft section) first.")
     max_questions: int = opt(0, "RL questions used (the first by id); 0 = all of rl.parquet.")
     synth: dict[str, Any] = opt({}, "Overrides of the synthesize job's config (same keys as jobs/synthesize.py).")
@@ -72,8 +73,9 @@ class GRPOConfig:
     eval: EvalConfig = opt(EvalConfig, "Held-out Pass@1.")
 
 
-def prepare(cfg: GRPOConfig, log: Callable[[str], None] = logger.info) -> tuple[Path, Path]:
-    """(synthesize run folder, policy HF folder): given, or built/reused by the other jobs' library functions."""
+def prepare(cfg: GRPOConfig, log: Callable[[str], None] = logger.info) -> tuple[Path, Path | str]:
+    """(synthesize run folder, policy HF folder or its location): given, or built/reused by the other jobs' library
+    functions. A given model may be a directory, a storage URI or a hub id (``model_location``)."""
     from osvl.config import upstream_config
     from osvl.synth import pipeline
 
@@ -83,7 +85,9 @@ def prepare(cfg: GRPOConfig, log: Callable[[str], None] = logger.info) -> tuple[
         qdir, _ = pipeline.run(upstream_config(pipeline.SynthConfig, pipeline.JOB, cfg.run, cfg.synth), log=log)
     qdir = qdir.resolve()  # Ray Train workers and actors run in other folders
     if cfg.model:
-        return qdir, Path(cfg.model).resolve()
+        from osvl.models.load import model_location  # here: transformers takes seconds to import, and a config
+        #                                              error at start must not wait for it
+        return qdir, model_location(cfg.model)
     from osvl.synth import expert
     from osvl.train import sft
 

@@ -320,7 +320,8 @@ class RolloutWorker:
         import sys
 
         return {"actor": self.id, "version": self.engine.version, "engine": type(self.engine).__name__,
-                "python": sys.executable, "engine_stats": dict(getattr(self.engine, "stats", {})),
+                "python": sys.executable, "model": str(getattr(self.engine, "path", "")),
+                "engine_stats": dict(getattr(self.engine, "stats", {})),
                 **self.stats.__dict__}
 
     def pid(self) -> int:
