@@ -3,9 +3,11 @@
 # The venv is (re)installed only when the dependency files change: the stamp file
 # name carries a hash of pyproject.toml and constraints.txt.
 #
-# torch is installed first and pinned, because deepspeed/basicsr let pip pick a
-# multi-GB CUDA build otherwise. GPU users choose their build with TORCH_SPEC, e.g.
-#   make demo TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128"
+# torch is installed first, in a pip call of its own, because deepspeed/basicsr let pip pick a
+# multi-GB CUDA build otherwise; the second call keeps it. On a Linux GPU machine PyPI's
+# torch==2.13.0 is itself a CUDA build, so the default needs no change there; TORCH_SPEC picks
+# another build, e.g. TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128"
+# (only torch comes from that index). `make check-gpu-install` resolves the GPU installs on PyPI.
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -36,7 +38,8 @@ VLLM_PYTEST_ARGS ?=
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
 export RAY_USAGE_STATS_ENABLED := 0
 
-.PHONY: setup setup-vllm demo test test-vllm test-fast lint mutation ray-up ray-down clean-venv requirements-vllm
+.PHONY: setup setup-vllm demo test test-vllm test-fast lint mutation ray-up ray-down clean-venv requirements-vllm \
+	check-gpu-install
 
 setup: $(STAMP)
 
@@ -49,7 +52,8 @@ $(STAMP):
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@rm -f $(VENV)/.osvl-deps-*
 	@echo "== installing dependencies (deps hash $(DEPS_HASH))"
-	$(PIP) install --quiet $(TORCH_SPEC) -c constraints.txt -e '.[dev]'
+	$(PIP) install --quiet $(TORCH_SPEC)
+	$(PIP) install --quiet -c constraints.txt -e '.[dev]'
 	$(PIP) install --quiet --no-deps -c constraints.txt basicsr==1.4.2
 	$(PY) -c "from osvl.train.deepspeed import build_comm_op; build_comm_op()" 2>&1 | tail -1
 	@touch $@
@@ -77,6 +81,17 @@ $(VLLM_STAMP):
 # cache here, so an in-clone venv would re-download 4.5 GB on every CI run).
 test-vllm: setup-vllm
 	OSVL_REQUIRE_VLLM=1 PYTHONPATH=$(CURDIR) $(VLLM_PY) -m pytest -q -p no:cacheprovider tests/test_vllm_engine.py $(VLLM_PYTEST_ARGS)
+
+# The GPU installs, resolved against PyPI as a GPU machine sees it (no local wheels: PIP_CONFIG_FILE=/dev/null),
+# nothing installed: this environment with PyPI's torch (a CUDA build on Linux), and deploy/Dockerfile's vLLM
+# environment. Prints the versions chosen. pip 23 reads a wheel's metadata by downloading it: minutes, GBs.
+GPU_VLLM_SPEC ?= vllm==0.32.0 "ray[default]==2.60.0" pyarrow==26.0.1
+check-gpu-install: setup
+	PIP_CONFIG_FILE=/dev/null PIP_FIND_LINKS= $(PIP) install --dry-run --ignore-installed --quiet \
+		--report $(VENV)/gpu-main.json torch==2.13.0 -c constraints.txt -e '.[dev]'
+	PIP_CONFIG_FILE=/dev/null PIP_FIND_LINKS= $(PIP) install --dry-run --ignore-installed --quiet \
+		--report $(VENV)/gpu-vllm.json $(GPU_VLLM_SPEC)
+	$(PY) -c "import json, sys; [print(f, {i['metadata']['name']: i['metadata']['version'] for i in json.load(open(f))['install'] if i['metadata']['name'] in ('torch', 'vllm', 'ray', 'transformers', 'deepspeed')}) for f in sys.argv[1:]]" $(VENV)/gpu-main.json $(VENV)/gpu-vllm.json
 
 # Re-pin the vLLM environment after changing what it holds (header kept, torch family excluded).
 requirements-vllm: setup-vllm
