@@ -206,6 +206,29 @@ def test_an_option_vllm_does_not_know_fails_before_it_starts():
         make_engine("vllm", str(tiny_checkpoint("qwen3_vl")), max_batch=2, max_batchez=3)
 
 
+def test_tensor_parallel_2_gives_the_greedy_turn_of_one_rank_and_takes_updates_on_both(engines):
+    """Two CPU ranks (vLLM's multiprocess executor, as rollout.vllm.tensor_parallel_size=2 runs it): the same
+    greedy turn as the HF engine with the same weights, before and after a perturbed update; a rank the
+    update missed would answer differently."""
+    v, h = engines
+    tp = make_engine("vllm", str(tiny_checkpoint("qwen3_vl")), max_batch=4, episode_tokens=1024,
+                     vllm=VLLMOptions(tensor_parallel_size=2, kv_cache_gb=1))
+    try:
+        tp.update_weights(h.model.state_dict(), version=h.version)
+        b = _episode(h.processor, [_image(8, (64, 96))], "What is it?", [None])
+        greedy = Sampling(temperature=0.0, max_new_tokens=10)
+        out, ref = _run(tp.generate(_request(b, greedy)), h.generate(_request(b, greedy)))
+        assert out.token_ids == ref.token_ids
+        gen = torch.Generator().manual_seed(11)
+        new = {k: t + 0.05 * torch.randn(t.shape, generator=gen) for k, t in h.model.state_dict().items()}
+        for engine in (tp, v, h):  # the module's engines keep holding the same weights
+            engine.update_weights(new, version=h.version + 1)
+        out, ref = _run(tp.generate(_request(b, greedy)), h.generate(_request(b, greedy)))
+        assert out.token_ids == ref.token_ids and tp.version == h.version
+    finally:
+        tp.close()
+
+
 def test_engine_serves_and_updates_inside_a_ray_actor(engines, ray_cluster):
     """A rollout actor holds the engine; weights arrive through the object store, as in GRPO on CPU."""
     import ray

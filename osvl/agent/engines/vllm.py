@@ -12,8 +12,10 @@ Design, and why:
   thread adds requests and calls ``step()``; every ``generate`` coroutine (from
   any event loop or thread, e.g. a Ray actor) hands its request over a queue and awaits a
   future, so requests join the running batch between steps (continuous batching) and the
-  caller's event loop keeps serving tool calls. The cost: one engine per process, tensor
-  parallel size 1.
+  caller's event loop keeps serving tool calls. The cost: one engine per process. Tensor
+  parallelism (``tensor_parallel_size`` > 1, ``make_engine``'s ``VLLMOptions``) puts the model's
+  shards in worker processes of vLLM's multiprocess executor; the engine thread stays, and a weight
+  update reaches every rank through ``collective_rpc`` (tested on CPU with 2 ranks).
 * **Log-probs of exactly the sampling distribution.** ``logprobs_mode="processed_logprobs"``
   returns ``log_softmax(logits / T)`` of the sampled token (vLLM's default, ``raw_logprobs``,
   ignores the temperature); top-k/top-p are off and ``generation_config="vllm"`` keeps a
