@@ -7,6 +7,9 @@ under its own ``<run root>/<job>/<config hash>/``, then runs GRPO with a per-ste
 table and a final summary (reward first vs last 10 steps, the clamp split, held-out
 Pass@1 after SFT and after GRPO). Rerunning the same command resumes from the latest
 checkpoint. On a cluster: ``ray job submit --working-dir . -- python jobs/grpo.py``.
+
+``--check=MODEL_DIR [--cluster=cluster.yaml] [--gpu_memory_gb=80]`` prints the run's plan on that
+cluster and one line per inconsistency, then exits (``osvl/rl/plan.py``); nothing starts.
 """
 
 from __future__ import annotations
@@ -22,6 +25,18 @@ from osvl.rl.job import JOB, GRPOConfig, run  # noqa: E402
 
 def main(argv: list[str] | None = None) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
+    check = [a for a in args if a == "--check" or a.startswith(("--check=", "--cluster=", "--gpu_memory_gb="))]
+    if any(a.startswith("--check") for a in check):  # the plan only (osvl/rl/plan.py): nothing starts
+        from osvl.config import parse_args
+        from osvl.rl.plan import run_check
+
+        flags = dict(a.removeprefix("--").partition("=")[::2] for a in check)
+        cfg = sub_job_overrides(parse_args(GRPOConfig, JOB, [a for a in args if a not in check and
+                                                             not a.startswith(SUB_JOBS)]),
+                                [a for a in args if a.startswith(SUB_JOBS)])
+        raise SystemExit(run_check(cfg, flags.get("check", ""), flags.get("cluster") or "cluster.yaml",
+                                   float(flags.get("gpu_memory_gb") or 80)))
+
     def finish(cfg: GRPOConfig) -> GRPOConfig:
         cfg = sub_job_overrides(cfg, [a for a in args if a.startswith(SUB_JOBS)])
         cfg.rollout.check()  # before the sub-jobs, which may run for an hour

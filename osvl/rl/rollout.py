@@ -39,7 +39,7 @@ from osvl.agent.engines import EngineKind, VLLMOptions
 from osvl.agent.fatal import MaskStart
 from osvl.agent.loop import AgentConfig
 from osvl.agent.reward import RewardConfig
-from osvl.cluster import interpreter_env
+from osvl.cluster import interpreter_env, role_resources
 from osvl.config import opt
 from osvl.endpoint import EndpointConfig
 from osvl.errors import ConfigError
@@ -106,6 +106,12 @@ class RolloutConfig:
     def runtime_env(self) -> dict[str, Any] | None:
         """The Ray runtime_env of the rollout actors and held-out evaluation tasks (``python``)."""
         return interpreter_env(self.python, "rollout.python")
+
+    def actor_options(self) -> dict[str, Any]:
+        """What each rollout actor and held-out evaluation task reserves (the launcher's Ray options, and
+        ``--check``'s plan); the launcher adds ``runtime_env``."""
+        return {"num_cpus": self.cpus_per_actor, "num_gpus": self.num_gpus,
+                "resources": role_resources("rollout", self.role_units)}
 
     def episode_agent(self, greedy: bool = False) -> AgentConfig:
         """The agent section as an episode runs it: temperature 0 for evaluation."""
@@ -375,15 +381,12 @@ def heldout_scores(model_dir: str | Path, questions: list[dict[str, Any]], image
     """
     import ray
 
-    from osvl.cluster import role_resources
-
     def evaluate(model: str, images: str, share: list[dict[str, Any]]) -> dict[str, list[float]]:
         return asyncio.run(_eval_episodes(str(storage.attach(model)), share, str(storage.attach(images)), cfg,
                                           concurrency, modes))
 
-    task = ray.remote(evaluate).options(name="heldout_eval", num_cpus=cfg.cpus_per_actor, num_gpus=cfg.num_gpus,
-                                        resources=role_resources("rollout", cfg.role_units), max_retries=1,
-                                        runtime_env=cfg.runtime_env())
+    task = ray.remote(evaluate).options(name="heldout_eval", max_retries=1, runtime_env=cfg.runtime_env(),
+                                        **cfg.actor_options())
     n = max(1, min(workers or cfg.num_actors, len(questions)))
     bounds = [len(questions) * i // n for i in range(n + 1)]
     model, images = storage.location(model_dir), storage.location(image_dir)

@@ -260,9 +260,8 @@ def train(parts: GRPOParts, model_dir: str | Path, questions: list[dict[str, Any
 
     def make_actor(name: str) -> Any:
         return ray.remote(RolloutWorker).options(
-            num_cpus=rc.cpus_per_actor, num_gpus=rc.num_gpus, resources=role_resources("rollout", rc.role_units),
             scheduling_strategy="SPREAD",  # over the rollout nodes: losing one node loses the fewest actors
-            runtime_env=rc.runtime_env(), max_restarts=0, **named(name)).remote(
+            max_restarts=0, runtime_env=rc.runtime_env(), **rc.actor_options(), **named(name)).remote(
             name, rc, where["model"], questions_ref, where["questions"], where["images"], buffer, store,
             parts.rl.group_size, parts.rl.mask_at, rec)
 

@@ -148,6 +148,15 @@ def load_checkpoint(engine, folder: Path) -> dict:
     return client
 
 
+def worker_bundle(threads_per_worker: int, use_gpu: bool, role_units: float = 0.0,
+                  role: str = "learner") -> dict[str, float]:
+    """What each Ray Train worker of ``make_trainer`` reserves: its CPUs, one GPU when ``use_gpu``, and
+    ``role_units`` of its role's custom resource (``jobs/grpo.py --check`` prints and checks the same)."""
+    from osvl.cluster import role_resources
+
+    return {"CPU": float(threads_per_worker), **({"GPU": 1.0} if use_gpu else {}), **role_resources(role, role_units)}
+
+
 def make_trainer(train_fn: Callable[[dict], None], loop_config: dict, *, num_workers: int,
                  threads_per_worker: int, use_gpu: bool, storage: Path | str, name: str,
                  keep: int, max_failures: int, resources: dict[str, float] | None = None):
@@ -171,9 +180,8 @@ def make_trainer(train_fn: Callable[[dict], None], loop_config: dict, *, num_wor
         train_fn,
         train_loop_config=loop_config,
         torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),
-        scaling_config=ray.train.ScalingConfig(num_workers=num_workers, use_gpu=use_gpu,
-                                               resources_per_worker={"CPU": threads_per_worker,
-                                                                     **(resources or {})}),
+        scaling_config=ray.train.ScalingConfig(num_workers=num_workers, use_gpu=use_gpu, resources_per_worker={
+            **worker_bundle(threads_per_worker, use_gpu), **(resources or {})}),
         run_config=ray.train.RunConfig(name=name, storage_path=storage_path, storage_filesystem=storage_fs,
                                        checkpoint_config=ray.train.CheckpointConfig(num_to_keep=keep),
                                        failure_config=ray.train.FailureConfig(max_failures=max_failures)),
