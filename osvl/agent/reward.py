@@ -39,7 +39,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, get_args
 
 from osvl.agent.fatal import MaskStart, mask_start
 from osvl.agent.judge import answer_reward
@@ -47,8 +47,11 @@ from osvl.agent.trajectory import Trajectory, Turn
 from osvl.config import opt
 from osvl.errors import ConfigError, EndpointUnavailable
 
-JUDGES = ("rule", "llm", "rule_then_llm")
-QUERY_SCORERS = ("rule", "llm")
+Judge = Literal["rule", "llm", "rule_then_llm"]
+QueryScorer = Literal["rule", "llm"]
+FmtScope = Literal["prefix", "episode"]
+JUDGES = get_args(Judge)
+QUERY_SCORERS = get_args(QueryScorer)
 
 _STOP = frozenset(
     "a an the of in on at to for from by with and or is are was were be been it its this that these those what "
@@ -59,12 +62,13 @@ _WORD = re.compile(r"\w+")
 @dataclass
 class RewardConfig:
     alpha: float = opt(0.8, "Weight of r_acc against r_query inside the format gate.")
-    judge: str = opt("rule", f"Answer judge: one of {JUDGES}.")
-    query_scorer: str = opt("rule", f"r_query: one of {QUERY_SCORERS} (llm = the process judge).")
+    judge: Judge = opt("rule", "Answer judge (see the module docstring).")
+    query_scorer: QueryScorer = opt("rule", "r_query: the rule, or llm (the process judge).")
     prefix_end: MaskStart = opt("cascade", "Where the pre-fatal prefix ends: 'cascade' (first failure of the fatal "
                                            "run, released code) or 'kth' (the K-th failure, the paper's formula).")
-    fmt_scope: str = opt("prefix", "r_fmt over the pre-fatal 'prefix' (docs/design.md) or the whole 'episode', the "
-                                   "fatal cascade's unparsable turns counted (see the module docstring).")
+    fmt_scope: FmtScope = opt("prefix", "r_fmt over the pre-fatal 'prefix' (docs/design.md) or the whole "
+                                        "'episode', the fatal cascade's unparsable turns counted (see the module "
+                                        "docstring).")
 
     def check(self) -> None:
         if not 0.0 <= self.alpha <= 1.0:
