@@ -95,7 +95,7 @@ def rl_batch(groups: Sequence[Sequence[Any]], image_dir: str, processor: Any, cf
     return batch
 
 
-def reference_model(model_dir: Any, cfg: RLConfig) -> torch.nn.Module | None:
+def reference_model(model_dir: Any, cfg: RLConfig) -> torch.nn.Module | None:  # pragma: no mutate block
     """The frozen starting policy the KL term compares against; None when ``cfg.beta`` is 0 (no KL term)."""
     from osvl.models.load import load_model
 
@@ -107,7 +107,7 @@ def reference_model(model_dir: Any, cfg: RLConfig) -> torch.nn.Module | None:
     return ref
 
 
-def train_loop(config: dict[str, Any]) -> None:
+def train_loop(config: dict[str, Any]) -> None:  # pragma: no mutate block
     """The Ray Train worker function: take a step's groups, update, publish, checkpoint; repeat.
 
     ``config`` (from the launcher, ``osvl/rl/trainer.py``): ``rl`` (RLConfig), ``model_dir``,
@@ -215,7 +215,7 @@ CURVE_PANELS = [("reward parts", ["reward", "r_fmt", "r_acc", "r_query"]), ("fat
                 ("entropy", ["entropy"]), ("clip fraction", ["clip_fraction"])]
 
 
-def draw_curves(log_path: Path) -> None:
+def draw_curves(log_path: Path) -> None:  # pragma: no mutate block
     """``curves.png`` beside the step log, published when the run folder mirrors remote storage."""
     from osvl import storage
     from osvl.plots import training_curves
@@ -225,7 +225,7 @@ def draw_curves(log_path: Path) -> None:
 
 
 def step_row(step: int, groups: Sequence[Sequence[Any]], res: StepResult | None, wait_s: float, sync_s: float,
-             buffer_stats: dict[str, Any]) -> dict[str, Any]:
+             buffer_stats: dict[str, Any]) -> dict[str, Any]:  # pragma: no mutate block
     """One line of the per-step table: reward parts, fatal handling, optimisation and system figures."""
     trajs = [t for g in groups for t in g]
     n = max(1, len(trajs))
@@ -250,7 +250,7 @@ def step_row(step: int, groups: Sequence[Sequence[Any]], res: StepResult | None,
     return row
 
 
-def record_limits(rec: Any, cfg: RLConfig, max_staleness: int) -> None:
+def record_limits(rec: Any, cfg: RLConfig, max_staleness: int) -> None:  # pragma: no mutate block
     """Export the run's bounds once, so alert rules compare KL, entropy and staleness against them."""
     from osvl import metrics as M
 
@@ -259,7 +259,7 @@ def record_limits(rec: Any, cfg: RLConfig, max_staleness: int) -> None:
         rec.set(M.RL_LIMIT, value, limit=name)
 
 
-def record_metrics(rec: Any, row: Mapping[str, Any], steps: int) -> None:
+def record_metrics(rec: Any, row: Mapping[str, Any], steps: int) -> None:  # pragma: no mutate block
     """Export a step's figures through Ray's metric API (specs in osvl/metrics.py) with the run's labels."""
     from osvl import metrics as M
 
