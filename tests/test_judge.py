@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from _recording import RecordingEngine
 
 from osvl.agent.judge import answer_reward, normalize_answer, token_f1
 
@@ -49,20 +50,6 @@ def test_answer_reward(response, answer, aliases, expected):
 
 # ---------------------------------------------------------------------------
 # LLMJudge against an in-process engine that records what it is asked (tests/test_reward.py drives it over HTTP)
-
-
-class RecordingEngine:
-    """``complete(messages, sampling)`` answering from a script of replies (then no verdict), recording the calls."""
-
-    def __init__(self, replies, name: str | None = "judge-a") -> None:
-        self.replies = list(replies)
-        self.calls = []
-        if name is not None:
-            self.name = name
-
-    async def complete(self, messages, sampling):
-        self.calls.append((messages, sampling))
-        return self.replies.pop(0) if self.replies else "I am not sure."
 
 
 def _judge(judge, *args):

@@ -16,6 +16,7 @@ import re
 
 import numpy as np
 import pytest
+from _recording import RecordingEngine
 
 from osvl.agent.engines.base import Sampling
 from osvl.agent.engines.openai import OpenAIChatEngine
@@ -313,22 +314,8 @@ def test_rule_query_score_progress_reads_successful_answers_only():
     assert rule_query_score(err, question) == 0.0
 
 
-class RecordingEngine:
-    """``complete(messages, sampling)`` answering from a script of replies (then garbage), recording the calls."""
-
-    def __init__(self, replies, name: str | None = "judge-a") -> None:
-        self.replies = list(replies)
-        self.calls = []
-        if name is not None:
-            self.name = name
-
-    async def complete(self, messages, sampling):
-        self.calls.append((messages, sampling))
-        return self.replies.pop(0) if self.replies else "Looks fine."
-
-
 def test_process_judge_prompt_clamp_and_retries():
-    engine = RecordingEngine(["score: 15"])
+    engine = RecordingEngine(["score: 15"], fallback="Looks fine.")
     judge = ProcessJudge(engine, observation_chars=5)
     assert asyncio.run(judge.score(list(GOOD), QUESTION)) == 1.0  # 15 / 10 clamped to 1
     (messages, sampling), = engine.calls
@@ -338,18 +325,20 @@ def test_process_judge_prompt_clamp_and_retries():
     calls = lines[lines.index("The agent's tool calls and what they returned:") + 1:]
     assert calls[:3] == ["- image_search({'image': 'img_1'}) -> 1. To",  # observations cut to 5 characters
                          "- text_search({'query': 'Tower Bridge country'}) -> 1. En", ""]  # the answer turn: no line
-    engine = RecordingEngine(["no idea", "score: 3\nscore: 7.5"])
+    engine = RecordingEngine(["no idea", "score: 3\nscore: 7.5"], fallback="Looks fine.")
     assert asyncio.run(ProcessJudge(engine).score([GOOD[2]], {})) == 0.75  # the last score line
     lines = engine.calls[0][0][0]["content"].splitlines()
     assert "Question: " in lines and "(none)" in lines
-    engine = RecordingEngine([])  # the defaults: two retries, observations cut to 400 characters
+    # the defaults: two retries, observations cut to 400 characters
+    engine = RecordingEngine([], fallback="Looks fine.")
     long = [turn(0, "text_search", {"query": "q"}, "y" * 500)]
     with pytest.raises(EndpointUnavailable, match=r"^process judge judge-a: no 'score: N' verdict$"):
         asyncio.run(ProcessJudge(engine).score(long, QUESTION))
     assert len(engine.calls) == 3
     assert "- text_search({'query': 'q'}) -> " + "y" * 400 in engine.calls[0][0][0]["content"].splitlines()
     with pytest.raises(EndpointUnavailable, match=r"^process judge : no 'score: N' verdict$"):
-        asyncio.run(ProcessJudge(RecordingEngine([], name=None), verdict_retries=0).score(list(GOOD), QUESTION))
+        asyncio.run(ProcessJudge(RecordingEngine([], name=None, fallback="Looks fine."),
+                                 verdict_retries=0).score(list(GOOD), QUESTION))
 
 
 class ScriptedJudge:
