@@ -47,6 +47,22 @@ def test_synchronous_gate_waits_for_the_new_version():
     assert b.stats()["consumed"] == 2 and b.stats()["staleness"] == {0: 2}
 
 
+def test_every_learner_rank_waiting_for_a_step_gets_its_groups():
+    """Two ranks wait for step 0 before its groups exist (always so at the start, and every step when
+    synchronous): both get the same groups, not only the first to wake (the other used to wait forever)."""
+    async def go():
+        b = TrajectoryBuffer(n_questions=4, groups_per_step=2, total_steps=2, max_staleness=0)
+        ranks = [asyncio.create_task(b.take(0)) for _ in range(2)]
+        await asyncio.sleep(0.01)
+        for _ in range(2):
+            w = await b.acquire("a")
+            await b.put("a", w.slot, w.attempt, _group(w, 0))
+        zero, one = await asyncio.wait_for(asyncio.gather(*ranks), 2)
+        assert len(zero) == 2 and zero is one
+
+    run(go())
+
+
 def test_staleness_two_lets_actors_run_two_steps_ahead():
     async def go():
         b = TrajectoryBuffer(n_questions=4, groups_per_step=1, total_steps=10, max_staleness=2)

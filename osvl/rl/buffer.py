@@ -236,18 +236,20 @@ class TrajectoryBuffer:
     async def take(self, step: int, timeout: float | None = None) -> list[list[Any]] | None:
         """The ready groups of ``step`` (dropped slots left out), once all its slots are resolved.
 
-        Idempotent per step so every learner rank gets the same groups. None on timeout.
+        Idempotent per step so every learner rank gets the same groups, also the ranks that were already
+        waiting when the first one took them (every rank waits for step 0). None on timeout.
         """
-        if step in self.taken:
-            return self.taken[step]
         lo, hi = step * self.gps, (step + 1) * self.gps
         deadline = None if timeout is None else time.monotonic() + timeout
         async with self.cond:
-            while not all(n in self.slots and self.slots[n].state in ("ready", "dropped") for n in range(lo, hi)):
+            while step not in self.taken and not all(n in self.slots and self.slots[n].state in ("ready", "dropped")
+                                                     for n in range(lo, hi)):
                 if self.aborted:
                     raise RuntimeError(f"GRPO run aborted: {self.aborted}")
                 if not await self._wait(deadline):
                     return None
+            if step in self.taken:
+                return self.taken[step]
             groups = []
             for n in range(lo, hi):
                 s = self.slots[n]
@@ -255,6 +257,7 @@ class TrajectoryBuffer:
                     groups.append(s.group)
                     s.state, s.group = "consumed", []
             self.taken = {step: groups}  # only the current step is kept: memory stays bounded
+            self.cond.notify_all()  # the other ranks waiting for this step get the same groups
             return groups
 
     async def abort(self, reason: str) -> None:
