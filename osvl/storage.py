@@ -296,3 +296,68 @@ def train_storage(folder: Path | str) -> tuple[str, Any]:
         return str(Path(uri.removeprefix("file://")).resolve()), None
     fs, path = open_root(uri)
     return path, fs
+
+
+# Single objects and folders at a location (a local path or a URI), for writers that cannot go through a mirror's
+# ``publish``/``pull`` (one file of a folder that other nodes fill too, a folder that must arrive whole):
+# osvl/rl/checkpoint.py uploads each learner rank's own checkpoint files with them.
+
+def _at(where: str) -> tuple[Any, str]:
+    """``(filesystem, path)`` for a location; a bucket is opened and checked once per process (``open_root``),
+    not once per object."""
+    import pyarrow.fs as pafs
+
+    where = str(where)
+    if not is_uri(where):
+        return pafs.LocalFileSystem(), str(Path(where).resolve())
+    parsed = urlparse(where)
+    if parsed.scheme == "file":
+        return pafs.LocalFileSystem(), parsed.path
+    fs, bucket = open_root(f"{parsed.scheme}://{parsed.netloc}")
+    return fs, f"{bucket}/{parsed.path.strip('/')}".rstrip("/")
+
+
+def exists(where: str) -> bool:
+    """Whether a file or folder is stored at ``where``."""
+    fs, path = _at(where)
+    return fs.get_file_info(path).type.name != "NotFound"
+
+
+def listdir(where: str) -> list[str]:
+    """The names directly under the folder at ``where`` (files and folders), sorted; [] when there is none."""
+    import pyarrow.fs as pafs
+
+    fs, path = _at(where)
+    infos = fs.get_file_info(pafs.FileSelector(path, recursive=False, allow_not_found=True))
+    return sorted(i.path.rstrip("/").rpartition("/")[2] for i in infos)
+
+
+def upload(local: Path | str, where: str) -> None:
+    """Copy the local file ``local`` to ``where`` (an object store writes it whole, at close)."""
+    import pyarrow.fs as pafs
+
+    fs, path = _at(where)
+    pafs.copy_files(str(local), path, source_filesystem=pafs.LocalFileSystem(), destination_filesystem=fs)
+
+
+def download(where: str, local: Path | str) -> bool:
+    """Copy the file or folder at ``where`` to ``local`` (a folder: everything under it); False when nothing is
+    stored there. No mirror record is kept: callers download into a temporary name and rename it into place."""
+    import pyarrow.fs as pafs
+
+    fs, path = _at(where)
+    if fs.get_file_info(path).type.name == "NotFound":
+        return False
+    Path(local).parent.mkdir(parents=True, exist_ok=True)
+    pafs.copy_files(path, str(local), source_filesystem=fs, destination_filesystem=pafs.LocalFileSystem())
+    return True
+
+
+def delete(where: str) -> None:
+    """Remove the file or folder at ``where`` (a folder with everything under it); nothing stored there is fine."""
+    fs, path = _at(where)
+    kind = fs.get_file_info(path).type.name
+    if kind == "Directory":
+        fs.delete_dir(path)
+    elif kind == "File":
+        fs.delete_file(path)

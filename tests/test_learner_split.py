@@ -7,11 +7,12 @@ Two real DeepSpeed (gloo) workers in their own processes take their shares of a 
 weights partitioned over the ranks), the production gradient clip, two steps on the same groups
 (the second with importance ratios off 1 and the moments of the first). The one-worker reference
 is a one-rank engine of the same stage (what a one-worker job runs) on the whole step in one
-batch (``micro_rows=0``), in the test process. The cases are the ones that used to hang or
+batch (``micro_tokens=0``), in the test process. The cases are the ones that used to hang or
 mis-weight: a step with fewer groups than workers (one rank has nothing, so it trains a stand-in
 with weight 0), groups of unequal lengths, a rank whose rows are all dropped for length, and
-micro-batches of one group each, so that the ranks hold different numbers of them (the short rank
-makes up the count with stand-ins). A hang shows as the workers' timeout.
+groups split over micro-batches of a token budget, so that the ranks hold different numbers of them
+(the short rank makes up the count with stand-ins) and a group's statistics must come from rows in
+other micro-batches. A hang shows as the workers' timeout.
 
 Adam divides by the gradient's scale, so the weights alone would not see a split that scales the
 whole gradient: each step's loss and global gradient norm (before clipping) must match too, to
@@ -36,7 +37,7 @@ import torch
 
 from osvl.agent.trajectory import Trajectory
 from osvl.rl.learner import Learner, RLConfig, forward_logprobs, make_engine
-from osvl.rl.learner_loop import micro_batches, rank_share, rl_batch
+from osvl.rl.learner_loop import rank_share, rl_batch
 
 WORLD = 2
 STAGES = (2, 3)
@@ -78,13 +79,15 @@ def _cases() -> list[tuple[str, RLConfig, list[list[Trajectory]]]]:
              group(2, [(1, 2), (1, 4), (2, 3), (1, 3)], [1.0, 0.0, 0.0, 0.4], fatal_row=1)]
     # rank 1's only group (group 1) is longer than max_len: all its rows are dropped
     long_rows = [three[0], group(1, [(6, 12)] * 4, [0.3, 0.0, 0.6, 0.1]), three[2]]
-    base = dict(beta=0.0, lr=LR, max_len=70, truncation="drop", micro_rows=0)  # AdamW, the default clip
+    base = dict(beta=0.0, lr=LR, max_len=70, truncation="drop", micro_tokens=0)  # AdamW, the default clip
     return [("1 group on 2 workers", RLConfig(**base), one),
             ("3 groups of unequal lengths on 2 workers", RLConfig(**base), three),
             ("a rank whose rows are all dropped, token_mean", RLConfig(**base, aggregation="token_mean"), long_rows),
-            ("micro-batches of one group, 2 on rank 0 and 1 on rank 1", RLConfig(**{**base, "micro_rows": 4}), three),
-            ("micro-batches of one group, token_mean", RLConfig(**{**base, "micro_rows": 4},
-                                                               aggregation="token_mean"), three)]
+            # 94 tokens: rank 0 holds group 2 whole, then group 0 split in two; rank 1 group 1 split in four
+            ("groups split over micro-batches, 3 on rank 0 and 4 on rank 1",
+             RLConfig(**{**base, "micro_tokens": 94}), three),
+            ("groups split over micro-batches, token_mean", RLConfig(**{**base, "micro_tokens": 94},
+                                                                     aggregation="token_mean"), three)]
 
 
 def _with_behaviour_logprobs(model, processor, groups, cfg):
@@ -138,23 +141,6 @@ def _worker(rank: int, port: int, case_file: str, out_file: str) -> None:
     dist.destroy_process_group()
 
 
-def test_micro_batches_pack_whole_groups_by_length():
-    """Groups are packed whole, shortest longest-row first, up to ``micro_rows`` trainable rows; a group
-    whose rows are all too long is left out, and one larger than ``micro_rows`` is a micro-batch alone."""
-    g = torch.Generator().manual_seed(1)
-
-    def group(gid: int, n: int, turn_len: int) -> list[Trajectory]:
-        return [_record(g, gid, i, 2, turn_len, 0.0, False) for i in range(n)]
-
-    groups = [group(0, 4, 9), group(1, 2, 3), group(2, 4, 5), group(3, 4, 40), group(4, 6, 4), group(5, 2, 2)]
-    cfg = RLConfig(max_len=70, truncation="drop", micro_rows=4)
-    packed = micro_batches(groups, cfg)
-    ids = [[trajs[0].group_id for trajs in chunk] for chunk in packed]
-    assert ids == [["g5", "g1"], ["g4"], ["g2"], ["g0"]]  # g3's rows are over max_len
-    one = micro_batches(groups, RLConfig(max_len=70, truncation="drop", micro_rows=0))
-    assert [[trajs[0].group_id for trajs in chunk] for chunk in one] == [["g5", "g1", "g4", "g2", "g0"]]
-
-
 @pytest.mark.slow  # ~80 s on 2 shared cores: two DeepSpeed workers, ten engines of two steps each
 def test_any_split_of_a_step_trains_the_one_worker_weights(tmp_path):
     from osvl.cluster import free_port
@@ -168,8 +154,10 @@ def test_any_split_of_a_step_trains_the_one_worker_weights(tmp_path):
     # the cases do exercise the stand-in, and micro-batch counts that differ before it
     assert [live for _, live in rank_share(cases[0][2], 1, WORLD, cases[0][1])] == [False]
     assert [live for _, live in rank_share(cases[2][2], 1, WORLD, cases[2][1])] == [False]
-    assert [live for _, live in rank_share(cases[3][2], 0, WORLD, cases[3][1])] == [True, True]
-    assert [live for _, live in rank_share(cases[3][2], 1, WORLD, cases[3][1])] == [True, False]
+    assert [live for _, live in rank_share(cases[3][2], 0, WORLD, cases[3][1])] == [True, True, True, False]
+    assert [live for _, live in rank_share(cases[3][2], 1, WORLD, cases[3][1])] == [True] * 4
+    assert [len(rows) for chunk, _ in rank_share(cases[3][2], 0, WORLD, cases[3][1]) for _, rows in chunk] == [
+        4, 3, 1, 1]  # group 0's rows are in two micro-batches
     (tmp_path / "cases.pkl").write_bytes(pickle.dumps(cases))
 
     port, out_file = free_port(), tmp_path / "out.pt"

@@ -3,16 +3,22 @@
 ``ray job submit --working-dir . -- python jobs/grpo.py --run.root=s3://...`` at test sizes
 (questions -> trajectories -> SFT -> GRPO -> held-out evaluation), while one rollout node is
 killed in the middle of GRPO; then the node-local caches are deleted and the same command is
-submitted again. Checked: the job finishes every step on the surviving nodes, every issued group
-is trained once or dropped with a reason, every stage's outputs and checkpoints are in the bucket
-and nowhere else, where Ray's state API says each role ran, and that the resubmission recomputes
-nothing and continues from the last GRPO checkpoint.
+submitted again with one more GRPO step. The GRPO learner is two Ray Train workers under ZeRO-3,
+one on node "a" and one on a learner-only node "c" that the test adds (each offers one unit of the
+``learner`` resource, and each worker asks for one), so each rank's shard is written on its own node.
+Checked: the job finishes every step on the surviving nodes, every issued group is trained once or
+dropped with a reason, every stage's outputs and checkpoints are in the bucket and nowhere else
+(each learner rank's shard files and the checkpoint's completion marker included; the learner nodes
+keep no copy of a checkpoint), where Ray's state API says each role ran, and that the resubmission
+recomputes nothing, continues from the last GRPO checkpoint with the weights and Adam moments it
+saved (the resume probe), and trains only the new step.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -27,6 +33,9 @@ REPO = Path(__file__).resolve().parents[1]
 # max_staleness 0, so that step 2 waits for fresh rollouts instead of groups generated before the kill)
 STEPS = 3
 JOBS = ("synthesize", "trajectories", "sft", "grpo")
+# two learner ranks under ZeRO-3 (each writes its own shard files), one per learner node
+LEARNERS = ["--learner.num_workers=2", "--learner.zero_stage=3"]
+CKPT = "grpo/e2e/checkpoints"
 
 
 def grpo_args(root: str) -> list[str]:
@@ -43,13 +52,16 @@ def grpo_args(root: str) -> list[str]:
             "--eval.concurrency=1"]
 
 
-def _submit(cluster: dict, root: str) -> tuple[subprocess.Popen, list[str]]:
-    """Start ``ray job submit``; its output lines, each prefixed with seconds since submission, fill the list
-    (printed when the test ends: where the time goes, stage by stage)."""
+def _submit(cluster: dict, root: str, steps: int = STEPS) -> tuple[subprocess.Popen, list[str]]:
+    """Start ``ray job submit`` (with ``LEARNERS`` and ``steps`` GRPO steps); its output lines, each prefixed
+    with seconds since submission, fill the list (printed when the test ends: where the time goes, stage by
+    stage)."""
     import threading
 
+    args = [a for a in grpo_args(root) if not a.startswith("--train.steps=")] + [f"--train.steps={steps}",
+                                                                                 *LEARNERS]
     cmd = [str(Path(sys.executable).parent / "ray"), "job", "submit", "--address", cluster["address"],
-           "--working-dir", ".", "--", "python", "jobs/grpo.py", *grpo_args(root)]
+           "--working-dir", ".", "--", "python", "jobs/grpo.py", *args]
     job = subprocess.Popen(cmd, cwd=REPO, env=cluster["env"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                            text=True)
     lines: list[str] = []
@@ -81,6 +93,51 @@ def _read(root: str, rel: str) -> str:
     fs, path = _bucket(root)
     with fs.open_input_stream(f"{path}/{rel}") as f:
         return f.read().decode()
+
+
+def _add_learner_node(cluster: dict, name: str = "c") -> tuple[Path, Path]:
+    """Join a node that offers one unit of ``learner`` and one CPU (no GPU, no other role) to the fixture's
+    cluster, as the fixture joins its nodes; returns its temp dir and its node-local storage cache."""
+    import json as _json
+
+    from osvl.cluster import ROLE_RESOURCES, free_port
+    from osvl.cluster import stop_node as _stop
+
+    base = cluster["temp_dirs"]["head"].parent
+    temp_dir, cache = base / f"node-{name}", base / f"{name}-cache"
+    gcs = (cluster["temp_dirs"]["head"] / "ray_current_cluster").read_text().strip()  # written by `ray start`
+    env = {**cluster["env"], "OSVL_STORAGE_CACHE": str(cache), "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "1"}
+    ports = ["--dashboard-agent-listen-port", "--dashboard-agent-grpc-port", "--runtime-env-agent-port",
+             "--metrics-export-port", "--node-manager-port", "--object-manager-port"]
+    for _ in range(2):  # a free port can be taken before Ray binds it
+        cmd = [str(Path(sys.executable).parent / "ray"), "start", f"--address={gcs}", "--node-ip-address=127.0.0.5",
+               f"--temp-dir={temp_dir}", "--disable-usage-stats", *(f"{p}={free_port()}" for p in ports),
+               "--num-cpus=1", "--num-gpus=0", f"--resources={_json.dumps({ROLE_RESOURCES['learner']: 1})}"]
+        done = subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, timeout=300)
+        if done.returncode == 0:
+            break
+        _stop(str(temp_dir))
+    else:
+        raise RuntimeError(f"ray start of node {name} failed: {done.stderr[-3000:]}")
+    from ray.util.state import list_nodes
+
+    deadline = time.time() + 120
+    while not any(n.node_ip == "127.0.0.5" and n.state == "ALIVE" for n in list_nodes(address=cluster["address"])):
+        assert time.time() < deadline, f"node {name} did not join"
+        time.sleep(1)
+    return temp_dir, cache
+
+
+def _checkpoint_copies(cache: Path) -> list[Path]:
+    """Checkpoint files a node keeps in its storage cache: DeepSpeed shards, or anything in a GRPO checkpoint."""
+    return [p for p in cache.rglob("*") if p.is_file()
+            and ("zero_pp_rank_" in p.name or re.search(r"/checkpoints/\.?step_\d+", p.as_posix()))]
+
+
+def _rank_shards(files: list[str], step: int, rank: int) -> list[str]:
+    pattern = re.compile(rf"{CKPT}/step_{step:06d}/ds/(bf16_)?zero_pp_rank_{rank}_mp_rank_00_"
+                         r"(model|optim)_states\.pt")
+    return sorted(f for f in files if pattern.fullmatch(f))
 
 
 def _run_folders(top: Path) -> list[Path]:
@@ -122,20 +179,30 @@ def _listening_ips(temp_dirs: list[Path]) -> set[str]:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(1200)
+@pytest.mark.timeout(2400)
 def test_grpo_job_on_a_multinode_cluster_with_s3_storage(multinode_cluster, s3_store):
+    from osvl.cluster import stop_node
+
+    cluster = multinode_cluster
+    node_c, cache_c = _add_learner_node(cluster)
+    try:
+        _grpo_job_on_a_multinode_cluster(cluster, s3_store, node_c, cache_c)
+    finally:
+        stop_node(str(node_c))
+
+
+def _grpo_job_on_a_multinode_cluster(cluster: dict, s3_store: dict, node_c: Path, cache_c: Path) -> None:
     from ray.util.state import list_actors, list_nodes, list_tasks
 
     from osvl.cluster import stop_node
 
-    cluster = multinode_cluster
     root = f"s3://{s3_store['bucket']}/runs-{uuid.uuid4().hex[:8]}"
     before = set(_local_run_folders(cluster))  # e.g. `make demo`'s under runs/: not this job's
     t0 = time.time()
     job, lines = _submit(cluster, root)
     # kill rollout node "b" (its own processes only) once GRPO has trained a step
     killed_at = None
-    deadline = time.time() + 900
+    deadline = time.time() + 1200
     fs, path = _bucket(root)
     while job.poll() is None and time.time() < deadline:
         # one request for the step log (learner rank 0 publishes it after every step), not a listing
@@ -162,11 +229,24 @@ def test_grpo_job_on_a_multinode_cluster_with_s3_storage(multinode_cluster, s3_s
     assert any(f.startswith("trajectories/") and "/trajectories.parquet/part-" in f for f in files)
     assert any(f.startswith("sft/") and "/model/model.safetensors" in f for f in files)
     assert any(f.startswith("sft/") and "/train/checkpoint_" in f for f in files)  # Ray Train's, from its worker
-    assert f"grpo/e2e/checkpoints/step_{STEPS:06d}/hf/model.safetensors" in files
-    assert any(f.startswith(f"grpo/e2e/checkpoints/step_{STEPS:06d}/ds/") for f in files)
+    assert f"{CKPT}/step_{STEPS:06d}/hf/model.safetensors" in files
     assert "grpo/e2e/report.json" in files
+    # the last checkpoint: both learner ranks' ZeRO-3 shards (written on two nodes), then the marker listing them
+    marker = json.loads(_read(root, f"{CKPT}/step_{STEPS:06d}/COMPLETE"))
+    assert marker["step"] == STEPS and marker["world"] == 2
+    assert {f"{CKPT}/step_{STEPS:06d}/{rel}" for rel in marker["files"]} <= set(files)
+    for rank in (0, 1):
+        shards = _rank_shards(files, STEPS, rank)
+        assert len(shards) == 2, (rank, shards)  # model states and optimizer states (Adam moments)
+        assert {s.removeprefix(f"{CKPT}/step_{STEPS:06d}/") for s in shards} <= set(marker["files"])
+    kept = sorted({f.split("/")[3] for f in files if f.startswith(f"{CKPT}/step_")})
+    assert kept == [f"step_{s:06d}" for s in (STEPS - 1, STEPS)], kept  # train.keep=2: step 1 pruned
+    assert all(f"{CKPT}/{k}/COMPLETE" in files for k in kept)
+    # the learner nodes keep no copy of a checkpoint: the bucket holds them
+    copies = {n: _checkpoint_copies(c) for n, c in (("a", cluster["caches"]["a"]), ("c", cache_c))}
+    assert not any(copies.values()), copies
     # ... and no run folder anywhere else: the checkout, the nodes' temp dirs (Ray's working-dir cache), /tmp
-    stray = [p for p in _local_run_folders(cluster) if p not in before]
+    stray = [p for p in _local_run_folders(cluster) + _run_folders(node_c) if p not in before]
     assert not stray, stray
 
     # the job went on without node b: every step trained, every issued group trained once or dropped with a reason
@@ -199,15 +279,18 @@ def test_grpo_job_on_a_multinode_cluster_with_s3_storage(multinode_cluster, s3_s
     assert len(rollout) == 2 and rollout <= gpu, "rollout actors spread over the GPU nodes"
     assert evals and evals <= gpu
     assert workers and workers <= learner
+    assert len(workers) == 2, "the two learner ranks share a node"  # a and c: one unit of `learner` each
     assert data and not data & head
     assert not (rollout | workers | evals) & head
 
-    # lose every node-local cache, submit the same command again: nothing recomputed, GRPO resumes
-    for cache in cluster["caches"].values():
+    # lose every node-local cache, submit the same command again with one more step: nothing recomputed,
+    # GRPO resumes from the last checkpoint (every rank pulls both ranks' shards from the bucket)
+    saved_probe = json.loads(_read(root, f"{CKPT}/step_{STEPS:06d}/probe.json"))
+    for cache in [*cluster["caches"].values(), cache_c]:
         shutil.rmtree(cache, ignore_errors=True)
     t1 = time.time()
-    again, lines2 = _submit(cluster, root)
-    again.wait(timeout=600)
+    again, lines2 = _submit(cluster, root, steps=STEPS + 1)
+    again.wait(timeout=900)
     time.sleep(0.5)
     out2 = "\n".join(lines2)
     print(out2)
@@ -217,7 +300,22 @@ def test_grpo_job_on_a_multinode_cluster_with_s3_storage(multinode_cluster, s3_s
     assert "sft: reusing" in out2
     assert f"resuming from step_{STEPS:06d}" in out2
     rows2 = [json.loads(x) for x in _read(root, "grpo/e2e/steps.jsonl").splitlines() if x.strip()]
-    assert [r["step"] for r in rows2] == list(range(1, STEPS + 1))  # no step trained twice
+    assert [r["step"] for r in rows2] == list(range(1, STEPS + 2))  # no step trained twice, the new one once
+    # the learner loaded what was saved: rank 0's weights and Adam moments right after loading
+    resumed_probe = json.loads(_read(root, f"{CKPT}/resume_probe.json"))
+    print(f"saved probe {saved_probe}\nresumed probe {resumed_probe}")
+    assert resumed_probe["step"] == saved_probe["step"] == STEPS
+    assert abs(resumed_probe["exp_avg_abs_sum"] - saved_probe["exp_avg_abs_sum"]) <= 1e-6
+    # bit for bit: rank 0's weight partition and its Adam moments (at these sizes every reward is 0, so the
+    # moments are zeros; tests/test_checkpoint_marker.py resumes non-zero ones across two nodes' shards)
+    assert all(resumed_probe[k] == saved_probe[k] for k in ("weights", "exp_avg", "exp_avg_sq"))
+    files2 = _files(root)
+    kept2 = sorted({f.split("/")[3] for f in files2 if f.startswith(f"{CKPT}/step_")})
+    assert kept2 == [f"step_{s:06d}" for s in (STEPS, STEPS + 1)], kept2  # the new one, marked; step 2 pruned
+    assert json.loads(_read(root, f"{CKPT}/step_{STEPS + 1:06d}/COMPLETE"))["world"] == 2
+    assert all(len(_rank_shards(files2, STEPS + 1, rank)) == 2 for rank in (0, 1))
+    copies = {n: _checkpoint_copies(c) for n, c in (("a", cluster["caches"]["a"]), ("c", cache_c))}
+    assert not any(copies.values()), copies  # the pulled checkpoint and the new one: gone from the nodes
     assert os.environ.get("AWS_EC2_METADATA_DISABLED") == "true"
 
 

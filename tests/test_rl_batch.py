@@ -109,48 +109,81 @@ def test_rl_batch_cut_keeps_a_long_row_and_its_group_statistics(processor):
         rl_batch(gs, "", processor, RLConfig(max_len=36, truncation="cutt"))
 
 
-def test_micro_batches_pack_whole_groups_shortest_first():
+def _ids(chunks) -> list[list[tuple[str, tuple[int, ...]]]]:
+    return [[(g[0].group_id, rows) for g, rows in chunk] for chunk in chunks]
+
+
+def test_micro_batches_fill_a_token_budget_shortest_group_first():
     def group(gid: int, n: int, turn_len: int) -> list[Trajectory]:
         return [record(gid, i, 2, turn_len=turn_len) for i in range(n)]
 
-    # lengths 4 + 2 * (turn_len + 3): g0 28, g1 16, g2 20, g3 90 (over max_len 70), g4 18, g5 14
+    # row lengths 4 + 2 * (turn_len + 3): g0 28, g1 16, g2 20, g3 90 (over max_len 70), g4 18, g5 14
     gs = [group(0, 4, 9), group(1, 2, 3), group(2, 4, 5), group(3, 4, 40), group(4, 6, 4), group(5, 2, 2)]
-    cfg = RLConfig(max_len=70, truncation="drop", micro_rows=4)
-    ids = [[g[0].group_id for g in chunk] for chunk in micro_batches(gs, cfg)]
-    assert ids == [["g5", "g1"], ["g4"], ["g2"], ["g0"]]  # g4 (6 rows) alone: larger than micro_rows
-    one = micro_batches(gs, RLConfig(max_len=70, truncation="drop", micro_rows=0))
-    assert [[g[0].group_id for g in chunk] for chunk in one] == [["g5", "g1", "g4", "g2", "g0"]]
-    exact = micro_batches(gs, RLConfig(max_len=70, truncation="drop", micro_rows=6))
-    assert [[g[0].group_id for g in chunk] for chunk in exact] == [["g5", "g1"], ["g4"], ["g2"], ["g0"]]
-    # a group with some rows over max_len is sorted by its longest *trainable* row, and counts only those
+    cfg = RLConfig(max_len=70, truncation="drop", micro_tokens=64)
+    # groups by their longest row, rows shortest first, a new micro-batch when the next row would pass 64 tokens:
+    # g4 (108 tokens) and g0 (112) are split, g3 is left out
+    assert _ids(micro_batches(gs, cfg)) == [
+        [("g5", (0, 1)), ("g1", (0, 1))], [("g4", (0, 1, 2))], [("g4", (3, 4, 5))], [("g2", (0, 1, 2))],
+        [("g2", (3,)), ("g0", (0,))], [("g0", (1, 2))], [("g0", (3,))]]
+    one = micro_batches(gs, RLConfig(max_len=70, truncation="drop", micro_tokens=0))
+    assert _ids(one) == [[("g5", (0, 1)), ("g1", (0, 1)), ("g4", tuple(range(6))), ("g2", (0, 1, 2, 3)),
+                          ("g0", (0, 1, 2, 3))]]
+    exact = micro_batches(gs, RLConfig(max_len=70, truncation="drop", micro_tokens=60))  # 28 + 32: exactly full
+    assert _ids(exact)[0] == [("g5", (0, 1)), ("g1", (0, 1))] and _ids(exact)[1] == [("g4", (0, 1, 2))]
+    # a group with a row over max_len is sorted by its longest *trainable* row, and counts only those
     mixed = [group(0, 2, 9), [record(1, 0, 2, turn_len=40), record(1, 1, 2, turn_len=1)]]
-    packed = micro_batches(mixed, RLConfig(max_len=70, truncation="drop", micro_rows=3))
-    assert [[g[0].group_id for g in chunk] for chunk in packed] == [["g1", "g0"]]
-    # the count of rows runs over the whole micro-batch: a third group of 2 does not fit beside 2 + 2
-    trio = micro_batches([group(6, 2, 2), group(7, 2, 3), group(8, 2, 4)], cfg)
-    assert [[g[0].group_id for g in chunk] for chunk in trio] == [["g6", "g7"], ["g8"]]
+    packed = micro_batches(mixed, RLConfig(max_len=70, truncation="drop", micro_tokens=68))  # 12 + 56
+    assert _ids(packed) == [[("g1", (1,)), ("g0", (0, 1))]]
+    # a row larger than the budget is a micro-batch alone
+    assert _ids(micro_batches([group(6, 2, 2), group(0, 1, 9)], RLConfig(max_len=70, micro_tokens=20))) == [
+        [("g6", (0,))], [("g6", (1,))], [("g0", (0,))]]
     # a record of exactly max_len tokens (4 + 2 * 33) is trainable
-    assert micro_batches([[record(9, 0, 2, turn_len=30)]], cfg) == [[[record(9, 0, 2, turn_len=30)]]]
-    # under "cut" nothing is left out for length
-    cut = micro_batches(gs, RLConfig(max_len=70, truncation="cut", micro_rows=0))
-    assert [[g[0].group_id for g in chunk] for chunk in cut] == [["g5", "g1", "g4", "g2", "g0", "g3"]]
+    assert _ids(micro_batches([[record(9, 0, 2, turn_len=30)]], cfg)) == [[("g9", (0,))]]
+    # under "cut" nothing is left out for length, and a cut row counts max_len tokens: g3's rows are 4 x 70
+    cut = micro_batches(gs, RLConfig(max_len=70, truncation="cut", micro_tokens=0))
+    assert [g for g, _ in cut[0]] == [gs[5], gs[1], gs[4], gs[2], gs[0], gs[3]]
+    assert _ids(micro_batches([gs[3], gs[5]], RLConfig(max_len=70, truncation="cut", micro_tokens=308))) == [
+        [("g5", (0, 1)), ("g3", (0, 1, 2, 3))]]
+    assert len(micro_batches([gs[3], gs[5]], RLConfig(max_len=70, truncation="cut", micro_tokens=307))) == 2
+
+
+def test_a_group_split_over_micro_batches_keeps_its_whole_group_statistics(processor):
+    """A micro-batch holding part of a group normalises its rows' rewards over the whole group, so the pieces'
+    losses over the step's divisor add up to the loss of the group in one batch."""
+    from osvl.rl.learner import batch_divisor
+
+    g = [record(0, i, 2, reward=r, fatal=(0, 1) if i == 3 else (-1, -1)) for i, r in enumerate([0.1, 0.9, 0.4, 0.0])]
+    cfg = RLConfig(max_len=70, truncation="drop", mode="fatal_mask_clamp")
+    whole = rl_batch([g], "", processor, cfg)
+    parts = [rl_batch([(g, rows)], "", processor, cfg) for rows in ((0, 2), (1, 3))]
+    assert torch.allclose(torch.cat([p["raw_adv"] for p in parts]), whole["raw_adv"][[0, 2, 1, 3]])
+    assert float(whole["raw_adv"].std()) > 0.5  # normalised: the pieces alone would give other values
+    logp = {id(b): -0.5 * b["gen_mask"] + 0.1 * torch.arange(b["gen_mask"].shape[1]) * b["gen_mask"] / 30
+            for b in (whole, *parts)}
+    div = sum(batch_divisor(b, cfg) for b in parts)
+    assert float(div) == pytest.approx(float(batch_divisor(whole, cfg)))
+    got = sum(grpo_loss(logp[id(b)], b, cfg, divisor=div).out.loss for b in parts)
+    assert float(got) == pytest.approx(float(grpo_loss(logp[id(whole)], whole, cfg).out.loss), rel=1e-6)
 
 
 def test_rank_share_whole_groups_and_stand_ins():
     def group(gid: int, n: int, turn_len: int) -> list[Trajectory]:
         return [record(gid, i, 2, turn_len=turn_len) for i in range(n)]
 
-    gs = [group(0, 4, 9), group(1, 2, 3), group(2, 4, 5)]
-    cfg = RLConfig(max_len=70, truncation="drop", micro_rows=4)
+    gs = [group(0, 4, 9), group(1, 2, 3), group(2, 4, 5)]  # rows of 28, 16 and 20 tokens
+    cfg = RLConfig(max_len=70, truncation="drop", micro_tokens=64)
     zero, one = rank_share(gs, 0, 2, cfg), rank_share(gs, 1, 2, cfg)
-    # rank 0 takes groups 0 and 2 (two micro-batches), rank 1 group 1 and one stand-in
-    assert [([g[0].group_id for g in chunk], live) for chunk, live in zero] == [(["g2"], True), (["g0"], True)]
-    assert [([g[0].group_id for g in chunk], live) for chunk, live in one][0] == (["g1"], True)
-    (stand_in, live), = one[1:]
-    assert live is False and stand_in == [[gs[1][0]]]  # the step's shortest trainable record (the first of them)
-    assert rank_share(gs, 0, 1, cfg) == [([gs[1]], True), ([gs[2]], True), ([gs[0]], True)]  # 2 + 4 rows > 4
-    # fewer groups than ranks: the idle rank trains only a stand-in
-    assert rank_share(gs[:1], 1, 2, cfg) == [([[gs[0][0]]], False)]
+    # rank 0 takes groups 0 and 2 (four micro-batches), rank 1 group 1 and three stand-ins
+    assert [(_ids([chunk])[0], live) for chunk, live in zero] == [
+        ([("g2", (0, 1, 2))], True), ([("g2", (3,)), ("g0", (0,))], True), ([("g0", (1, 2))], True),
+        ([("g0", (3,))], True)]
+    assert (_ids([one[0][0]])[0], one[0][1]) == ([("g1", (0, 1))], True)
+    assert len(one) == 4 and all(chunk == [([gs[1][0]], (0,))] and not live for chunk, live in one[1:])
+    # the stand-in is the step's shortest trainable record (the first of them)
+    assert _ids(c for c, _ in rank_share(gs, 0, 1, cfg)) == [
+        [("g1", (0, 1)), ("g2", (0,))], [("g2", (1, 2, 3))], [("g0", (0, 1))], [("g0", (2, 3))]]
+    # fewer groups than ranks: the idle rank trains only stand-ins, one per micro-batch of the other (56 + 56)
+    assert rank_share(gs[:1], 1, 2, cfg) == [([([gs[0][0]], (0,))], False)] * 2
     # nothing trainable in the whole step: every rank skips it
     assert rank_share([group(3, 2, 40)], 0, 2, cfg) is None
     assert rank_share([], 0, 2, cfg) is None

@@ -103,14 +103,19 @@ def zero2_run(trajectories, tmp_path_factory, ray_cluster):
 
 
 @pytest.mark.slow
-def test_zero3_matches_zero2_and_the_hf_dir_generates(trajectories, zero2_run, tmp_path):
+def test_zero3_bf16_under_the_rehearsal_follows_zero2_and_the_hf_dir_generates(trajectories, zero2_run, tmp_path):
     from osvl.models.load import load_model, load_processor
 
-    report = _main(_args(trajectories, tmp_path, "--zero_stage=3", *STEPS))
+    # as on GPUs: bf16, partitioned while it loads, under the GPU rehearsal (osvl/train/rehearsal.py)
+    report = _main(_args(trajectories, tmp_path, "--zero_stage=3", "--bf16=true", "--rehearsal=on", *STEPS))
     l2, l3 = _log(zero2_run[0]), _log(tmp_path)
     assert sorted(l2) == sorted(l3) == list(range(1, 8))
-    for s in l2:
-        assert abs(l2[s]["loss"] - l3[s]["loss"]) < 1e-3, (s, l2[s]["loss"], l3[s]["loss"])
+    for s in l2:  # bf16 against the fp32 ZeRO-2 run: measured within 6.3e-3 over the 7 steps
+        assert abs(l2[s]["loss"] - l3[s]["loss"]) < 2e-2, (s, l2[s]["loss"], l3[s]["loss"])
+    for rank in range(2):  # each rank's peak host memory at load and after its first step
+        (rec,) = tmp_path.glob(f"sft/*/rehearsal_rank{rank}.json")
+        peaks = json.loads(rec.read_text())["peak_rss_bytes"]
+        assert 0 < peaks["load"] <= peaks["step1"], peaks
     assert l2[7]["loss"] < l2[1]["loss"]
     # the training curves (loss, validation loss, lr, gradient norm) are a PNG in the run folder
     from PIL import Image

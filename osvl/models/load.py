@@ -147,10 +147,11 @@ def _check_weights(path: Path) -> None:
 def load_model(
     path: str | Path,
     dtype: str | torch.dtype = "auto",
-    device: str | torch.device = "cpu",
+    device: str | torch.device | None = "cpu",
     attn_implementation: str | None = None,
 ) -> torch.nn.Module:
-    """The VLM in ``path`` in eval mode, on ``device``.
+    """The VLM in ``path`` in eval mode, on ``device`` (None: where it was built; a ZeRO-3 partitioned
+    model's parameters are already on the accelerator).
 
     ``dtype``: "auto" (as saved), "float32", "bfloat16", "float16" or a torch dtype.
     ``attn_implementation``: "sdpa", "eager", "flash_attention_2", ... or None for the
@@ -180,7 +181,8 @@ def load_model(
             f"mismatched {list(info.get('mismatched_keys') or [])[:5]}"
         )
     try:
-        model.to(device)
+        if device is not None:
+            model.to(device)
     except (RuntimeError, AssertionError) as e:  # AssertionError: torch built without CUDA
         raise ModelLoadError(f"cannot move {path} to device {device!r}: {e}") from e
     return model.eval()

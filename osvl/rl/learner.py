@@ -28,6 +28,7 @@ from osvl.agent.fatal import NOT_FATAL, MaskStart, mask_start
 from osvl.config import opt
 from osvl.errors import TrainingDiverged
 from osvl.rl.loss import MODES, LossOutput, apply_mode, group_advantages, loss_divisor, policy_loss, token_mask
+from osvl.train import device
 from osvl.train.batch import Truncation
 
 
@@ -56,9 +57,10 @@ class RLConfig:
     grad_clip: float = opt(1.0, "Global gradient-norm clip (0 = off).")
     max_len: int = opt(4096, "Longest trajectory fed to the learner, in tokens (collate's truncation).")
     truncation: Truncation = opt("drop", "What collate does with a longer trajectory (see osvl/train/batch.py).")
-    micro_rows: int = opt(8, "Most trainable rows in one learner forward/backward: a rank's groups are packed "
-                             "whole, by length, into micro-batches and their gradients accumulate into one "
-                             "update (a larger group is one micro-batch; 0 = one padded batch per step).")
+    micro_tokens: int = opt(8192, "Most trainable tokens (padding excluded) in one learner forward/backward: a "
+                                  "rank's groups are packed whole, by length, into micro-batches and their "
+                                  "gradients accumulate into one update, so a step's activation memory is bounded "
+                                  "by this budget, or by one group when a group is larger (0 = one batch per step).")
     kl_max: float = opt(0.0, "Stop the run when the mean k3 KL to the reference exceeds this (0 = no bound).")
     entropy_min: float = opt(0.0, "Stop the run when the mean token entropy falls below this (0 = no bound).")
     entropy_max: float = opt(0.0, "Stop the run when the mean token entropy exceeds this (0 = no bound).")
@@ -86,7 +88,10 @@ def _adv_and_mask(batch: Mapping[str, torch.Tensor], cfg: RLConfig,
     """The rows' normalised rewards, their advantages and loss weights after the mode, the (B, T) training
     mask M and the generated-token mask: everything of the loss that does not need the model."""
     mode = MODES[cfg.mode]
-    raw = group_advantages(batch["reward"], batch["group"], baseline=cfg.baseline)
+    # rl_batch's rows carry their normalised reward, computed over the whole group (a micro-batch may hold
+    # part of one); a batch made by hand has its groups whole
+    raw = batch["raw_adv"] if "raw_adv" in batch else group_advantages(batch["reward"], batch["group"],
+                                                                        baseline=cfg.baseline)
     adv, weight = apply_mode(raw, batch["fatal"].to(torch.bool), cfg.mode)
     if not live:
         weight = torch.zeros_like(weight)
@@ -156,31 +161,17 @@ def check_bounds(cfg: RLConfig, kl: float, entropy: float, step: int) -> None:
 
 def _world() -> int:
     """Ranks in the process group (1 without one: tests, the single-process learner)."""
-    import torch.distributed as dist
-
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    return device.world()
 
 
 def _sum_ranks(t: torch.Tensor) -> torch.Tensor:
-    """``t`` summed over the ranks (``t`` itself on one)."""
-    import torch.distributed as dist
-
-    if _world() == 1:
-        return t
-    t = t.detach().clone()
-    dist.all_reduce(t, op=dist.ReduceOp.SUM)
-    return t
+    """``t`` summed over the ranks (``t`` itself on one), on the process group's device."""
+    return device.all_reduce(t)
 
 
 def _all_ranks(ok: bool) -> bool:
     """``ok`` on every rank (a skip must be unanimous, or the ranks' collectives would deadlock)."""
-    import torch.distributed as dist
-
-    if _world() == 1:
-        return ok
-    t = torch.tensor([0 if ok else 1], dtype=torch.int32)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return int(t) == 0
+    return int(device.all_reduce(torch.tensor([0 if ok else 1], dtype=torch.int32), op="max")) == 0
 
 
 def _overflow(engine: Any, params: Sequence[torch.nn.Parameter]) -> bool:
@@ -216,7 +207,8 @@ def forward_logprobs(model: torch.nn.Module, batch: Mapping[str, torch.Tensor],
 
     at = scored_positions(batch["gen_mask"])
     keep = torch.nn.functional.pad(at[:, 1:], (0, 1), value=False)  # logits at t predict token t + 1
-    logits = model(**model_inputs(batch), use_cache=False, logits_to_keep=keep).logits.float()
+    inputs = device.to_model({**model_inputs(batch), "logits_to_keep": keep}, model)
+    logits = model(**inputs, use_cache=False).logits.float()
     if temperature != 1.0:
         logits = logits / temperature
     target = batch["input_ids"][at]
@@ -250,18 +242,28 @@ class StepResult:
     cpu_s: float               # this process's CPU time in the step: below ``seconds`` when cores are shared
 
 
+def learner_ds_config(cfg: RLConfig, *, zero_stage: int = 2, world: int = 1, bf16: bool = False,
+                      hidden_size: int = 0, on_gpu: bool = False) -> dict[str, Any]:
+    """The DeepSpeed config of a learner rank (``make_engine``; ``load_trainable`` builds the model by it)."""
+    from osvl.train.deepspeed import ds_config
+
+    return ds_config(zero_stage, micro_batch=1, grad_accum=1, world_size=world, grad_clip=cfg.grad_clip, bf16=bf16,
+                     hidden_size=hidden_size, on_gpu=on_gpu)
+
+
 def make_engine(model: torch.nn.Module, cfg: RLConfig, *, zero_stage: int = 2, world: int = 1,
-                optimizer: torch.optim.Optimizer | None = None) -> Any:
+                optimizer: torch.optim.Optimizer | None = None, config: dict[str, Any] | None = None) -> Any:
     """The DeepSpeed engine a learner rank steps: AdamW (or ``optimizer``) under the ``rl.warmup_steps``
-    schedule, ZeRO ``zero_stage``; ``Learner.step`` marks its own accumulation boundary, so a step may
-    have any number of micro-batches. Outside Ray Train (tests) it makes a
-    one-process group first, so a test runs the learner exactly as a one-worker job does."""
-    from osvl.train.deepspeed import ds_config, init_engine
+    schedule, ZeRO ``zero_stage`` (or the whole DeepSpeed ``config``, ``learner_ds_config``); ``Learner.step``
+    marks its own accumulation boundary, so a step may have any number of micro-batches. Outside Ray
+    Train (tests) it makes a one-process group first, so a test runs the learner exactly as a
+    one-worker job does."""
+    from osvl.train.deepspeed import init_engine
 
     opt_ = optimizer or torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr,
                                           weight_decay=cfg.weight_decay)
     return init_engine(model, opt_, warmup_schedule(opt_, cfg.warmup_steps),
-                       ds_config(zero_stage, micro_batch=1, grad_accum=1, world_size=world, grad_clip=cfg.grad_clip))
+                       config or learner_ds_config(cfg, zero_stage=zero_stage, world=world))
 
 
 class Learner:
@@ -305,6 +307,7 @@ class Learner:
         clamped = kept = n_fatal = tokens = 0
         finite = True
         for i, (batch, live) in enumerate(micro):
+            batch = device.to_model(batch, self.engine)  # the one move: model inputs and loss fields alike
             # DeepSpeed reduces and the optimiser may step only after the last micro-batch
             self.engine.set_gradient_accumulation_boundary(i == len(micro) - 1)
             logp, logits = forward_logprobs(self.engine, batch, self.temperature)

@@ -19,6 +19,7 @@ from osvl.rl.learner import (
     Learner,
     RLConfig,
     StepResult,
+    learner_ds_config,
     make_engine,
     mask_starts,
 )
@@ -29,31 +30,50 @@ def _trainable(tr: Any, cfg: RLConfig) -> bool:
     return len(tr.input_ids) <= cfg.max_len or cfg.truncation != "drop"
 
 
-def micro_batches(groups: Sequence[Sequence[Any]], cfg: RLConfig) -> list[list[Sequence[Any]]]:
-    """Whole groups packed, in order of their longest trainable row, into micro-batches of at most
-    ``rl.micro_rows`` trainable rows (a larger group is one micro-batch; 0: all in one).
+def _tokens(tr: Any, cfg: RLConfig) -> int:
+    """Tokens of a trainable record as collate feeds it (a ``cut`` record keeps at most ``max_len``)."""
+    return min(len(tr.input_ids), cfg.max_len)
 
-    Rows of similar length share a micro-batch, so little is padded, and a forward/backward
-    works on a few rows at a time: on CPU a step of 32 long rows in one padded batch cost
-    several times its sorted micro-batches (docs/measurements.md, ``bench/learner.py``).
-    Groups stay whole because the advantages are per group.
+
+Piece = tuple[Sequence[Any], tuple[int, ...]]  # a group and the indices of the rows of it a micro-batch holds
+
+
+def micro_batches(groups: Sequence[Sequence[Any]], cfg: RLConfig) -> list[list[Piece]]:
+    """The trainable rows of ``groups`` packed into micro-batches of at most ``rl.micro_tokens`` tokens, padding
+    excluded (a row larger than that is a micro-batch alone; 0: all in one), each a list of pieces
+    ``(group, row indices)``.
+
+    A token budget rather than a row count because a forward's activation and logit memory grows with
+    its tokens: 8 rows of 800 tokens and 8 of 16,384 are 20 times apart, and one GRPO group of 8 x 16,384
+    tokens does not fit a GPU at 8B (``--check``). So a group may be split over consecutive micro-batches:
+    its advantages are computed over the whole group first (``rl_batch`` gets the group, and the rows),
+    so a split changes the memory, not the update. Groups go in order of their longest trainable row
+    and each group's rows shortest first, so rows of similar length share a micro-batch and little is
+    padded; on CPU a step of 32 long rows in one padded batch cost several times its sorted
+    micro-batches (docs/measurements.md, ``bench/learner.py``).
     """
-    trainable = [(g, [len(tr.input_ids) for tr in g if _trainable(tr, cfg)]) for g in groups]
-    out: list[list[Sequence[Any]]] = []
+    trainable = [(g, [i for i, tr in enumerate(g) if _trainable(tr, cfg)]) for g in groups]
+    out: list[list[Piece]] = []
     size = 0
-    for g, lengths in sorted(((g, ls) for g, ls in trainable if ls), key=lambda pair: max(pair[1])):
-        n = len(lengths)
-        if not out or (cfg.micro_rows and size + n > cfg.micro_rows):
-            out.append([])
-            size = 0
-        out[-1].append(g)
-        size += n
+    for g, rows in sorted(((g, rs) for g, rs in trainable if rs), key=lambda p: max(_tokens(p[0][i], cfg)
+                                                                                        for i in p[1])):
+        for i in sorted(rows, key=lambda i: _tokens(g[i], cfg)):
+            n = _tokens(g[i], cfg)
+            if not out or (cfg.micro_tokens and size and size + n > cfg.micro_tokens):
+                out.append([])
+                size = 0
+            if out[-1] and out[-1][-1][0] is g:
+                out[-1][-1] = (g, (*out[-1][-1][1], i))
+            else:
+                out[-1].append((g, (i,)))
+            size += n
     return out
 
 
 def rank_share(groups: Sequence[Sequence[Any]], rank: int, world: int,
-               cfg: RLConfig) -> list[tuple[list[Sequence[Any]], bool]] | None:
-    """This rank's micro-batches of a step, each ``(whole groups, live)``; None when the step trains nothing.
+               cfg: RLConfig) -> list[tuple[list[Piece], bool]] | None:
+    """This rank's micro-batches of a step, each ``(pieces, live)`` (``micro_batches``); None when the step
+    trains nothing.
 
     Rank r takes groups r, r + world, ... Every rank sees the step's full list of groups, so
     each decides the same thing without a collective, and every rank gets the same number of
@@ -66,45 +86,65 @@ def rank_share(groups: Sequence[Sequence[Any]], rank: int, world: int,
     if not rows:
         return None
     shares = [micro_batches(groups[r::world], cfg) for r in range(world)]
-    stand_in: list[Sequence[Any]] = [[min(rows, key=lambda tr: len(tr.input_ids))]]
+    stand_in: list[Piece] = [([min(rows, key=lambda tr: len(tr.input_ids))], (0,))]
     mine = [(chunk, True) for chunk in shares[rank]]
     return mine + [(stand_in, False)] * (max(len(s) for s in shares) - len(mine))
 
 
-def rl_batch(groups: Sequence[Sequence[Any]], image_dir: str, processor: Any, cfg: RLConfig) -> dict[str, torch.Tensor]:
-    """Collate scored groups of ``Trajectory`` records and add the per-row GRPO fields.
+def rl_batch(groups: Sequence[Sequence[Any] | Piece], image_dir: str, processor: Any,
+             cfg: RLConfig) -> dict[str, torch.Tensor]:
+    """Collate scored groups of ``Trajectory`` records, or pieces of them (``micro_batches``), and add the
+    per-row GRPO fields.
 
-    Rows that collate drops (longer than ``max_len`` under the ``drop`` policy) leave
-    their group, so the group statistics use the rows that are actually trained.
+    Each row's normalised reward (``raw_adv``) is computed over its whole group's trainable rows, also
+    when the batch holds only some of them (a group split over micro-batches). Rows that collate would
+    drop (longer than ``max_len`` under the ``drop`` policy) leave their group first, so the group
+    statistics use the rows that are actually trained.
     """
+    from osvl.rl.loss import group_advantages
     from osvl.train.batch import collate
 
     keep: list[Any] = []
     group_ix: list[int] = []
-    for g, trajs in enumerate(groups):
-        for tr in trajs:
-            if _trainable(tr, cfg):
-                keep.append(tr)
-                group_ix.append(g)
+    raw: list[torch.Tensor] = []
+    for g, item in enumerate(groups):
+        trajs, rows = item if isinstance(item, tuple) else (item, None)
+        trainable = [i for i, tr in enumerate(trajs) if _trainable(tr, cfg)]
+        adv = dict(zip(trainable, group_advantages(torch.tensor([trajs[i].reward for i in trainable]),
+                                                   torch.zeros(len(trainable), dtype=torch.long),
+                                                   baseline=cfg.baseline), strict=True))
+        for i in trainable if rows is None else rows:
+            keep.append(trajs[i])
+            group_ix.append(g)
+            raw.append(adv[i])
     batch = collate(keep, image_dir, processor, cfg.max_len, cfg.truncation)
     batch["reward"] = torch.tensor([tr.reward for tr in keep], dtype=torch.float32)
     batch["group"] = torch.tensor(group_ix, dtype=torch.long)
+    batch["raw_adv"] = torch.stack(raw) if raw else torch.zeros(0)
     batch["fatal"] = torch.tensor([tr.fatal_kth >= 0 for tr in keep], dtype=torch.bool)
     batch["mask_start"] = mask_starts([tr.fatal_cascade_start for tr in keep], [tr.fatal_kth for tr in keep],
                                       cfg.mask_at)
     return batch
 
 
-def reference_model(model_dir: Any, cfg: RLConfig) -> torch.nn.Module | None:  # pragma: no mutate block
-    """The frozen starting policy the KL term compares against; None when ``cfg.beta`` is 0 (no KL term)."""
-    from osvl.models.load import load_model
+def reference_model(model_dir: Any, cfg: RLConfig, ds_cfg: dict[str, Any],
+                    policy: torch.nn.Module | None = None) -> Any:  # pragma: no mutate block
+    """The frozen starting policy the KL term compares against, built as the policy is (``ds_cfg``: its dtype,
+    and under ZeRO-3 partitioned over the ranks in an optimiser-less DeepSpeed engine, as OpenRLHF keeps it);
+    on the accelerator either way. Under ZeRO-3, ``policy`` (the freshly built policy, before its engine)
+    is copied partition by partition instead of reading the checkpoint again. None when ``cfg.beta`` is 0."""
+    from osvl.train.deepspeed import init_engine, load_trainable, partitioned_copy
+    from osvl.train.device import group_device
 
     if cfg.beta <= 0:
         return None
-    ref = load_model(model_dir, dtype="float32").eval()
-    for p in ref.parameters():
-        p.requires_grad_(False)
-    return ref
+    if ds_cfg["zero_optimization"]["stage"] == 3:
+        ref = partitioned_copy(policy, ds_cfg) if policy is not None else load_trainable(model_dir, ds_cfg,
+                                                                                        frozen=True).eval()
+        engine = init_engine(ref, None, None, {k: v for k, v in ds_cfg.items() if k != "gradient_clipping"})
+        engine.eval()  # DeepSpeed's eval() returns None, not the engine
+        return engine
+    return load_trainable(model_dir, ds_cfg, frozen=True).eval().to(group_device())
 
 
 def train_loop(config: dict[str, Any]) -> None:  # pragma: no mutate block
@@ -113,7 +153,8 @@ def train_loop(config: dict[str, Any]) -> None:  # pragma: no mutate block
     ``config`` (from the launcher, ``osvl/rl/trainer.py``): ``rl`` (RLConfig), ``model_dir``,
     ``image_dir`` and ``run`` (the run folder: checkpoints, per-step JSONL), all three as storage
     locations (``osvl.storage``), ``buffer`` and ``store`` (actor handles), ``steps`` (total),
-    ``ckpt_every``, ``zero_stage``, ``threads``, ``weights_every``, ``temperature`` (the rollouts'
+    ``ckpt_every``, ``zero_stage``, ``threads``, ``learner`` (LearnerConfig: dtype, checkpointing, rehearsal),
+    ``weights_every``, ``temperature`` (the rollouts'
     sampling temperature).
     Every rank trains on its share of the step's groups (whole groups: the advantages
     are per group; ``rank_share``) over the step's global divisor, so any number of groups
@@ -125,10 +166,11 @@ def train_loop(config: dict[str, Any]) -> None:  # pragma: no mutate block
     import torch.distributed as dist
 
     from osvl import storage
-    from osvl.models.load import load_model, load_processor
+    from osvl.models.load import load_processor
     from osvl.rl import checkpoint as ckpt
     from osvl.rl.weights import publish
-    from osvl.train.deepspeed import hf_state_dict
+    from osvl.train import rehearsal
+    from osvl.train.deepspeed import hf_state_dict, hidden_size, load_trainable
 
     cfg: RLConfig = config["rl"]
     torch.set_num_threads(config["threads"])
@@ -140,13 +182,20 @@ def train_loop(config: dict[str, Any]) -> None:  # pragma: no mutate block
     # the run folder as this node sees it (the driver's mirror, or a fresh one on another node)
     run_folder = storage.attach(config["run"])
     ckpt_root, log_path = run_folder / "checkpoints", run_folder / "steps.jsonl"
-    model = load_model(model_dir, dtype="float32")
+    lc = config["learner"]
+    rehearsal.install(lc.rehearsal, run_folder, rank)
+    ds_cfg = learner_ds_config(cfg, zero_stage=lc.zero_stage, world=world,
+                               bf16=lc.bf16 if lc.bf16 is not None else lc.use_gpu,
+                               hidden_size=hidden_size(model_dir), on_gpu=lc.use_gpu)
+    model = load_trainable(model_dir, ds_cfg, grad_checkpointing=lc.grad_checkpointing)
     processor = load_processor(model_dir)
-    ref = reference_model(model_dir, cfg)
-    engine = make_engine(model, cfg, zero_stage=config["zero_stage"], world=world)
+    ref = reference_model(model_dir, cfg, ds_cfg, policy=model)
+    engine = make_engine(model, cfg, config=ds_cfg)
+    rehearsal.note_peak("load")
     learner = Learner(engine, cfg, ref_model=ref, temperature=config["temperature"])
     buffer, store = config["buffer"], config["store"]
-    resume = ckpt.latest(ckpt_root)
+    # the newest complete checkpoint (at the run root when it is remote), every rank's shards on every node
+    resume = ckpt.resume_point(ckpt_root, rank, ctx.get_local_rank(), world)
     if rank == 0 and ray.get(buffer.begin_learner.remote()) > 0:
         # a restarted worker group (FailureConfig): the buffer moved on since the checkpoint (or the
         # start), so it goes back there too; answers then in flight are refused as duplicates
@@ -160,6 +209,10 @@ def train_loop(config: dict[str, Any]) -> None:  # pragma: no mutate block
         if rank == 0:
             ckpt.write_probe(engine, ckpt_root / "resume_probe.json", client["version"])
             storage.publish(run_folder, "checkpoints/resume_probe.json")
+    if world > 1:
+        dist.barrier()  # every rank has loaded
+    if ctx.get_local_rank() == 0:  # a remote run root holds the checkpoints: this node's copies are a cache
+        ckpt.drop_local(ckpt_root)
 
     def push(version: int) -> float:
         state = hf_state_dict(engine)  # a collective under ZeRO-3: every rank calls it
@@ -181,9 +234,10 @@ def train_loop(config: dict[str, Any]) -> None:  # pragma: no mutate block
             share = rank_share(groups, rank, world, cfg)
             if share is not None:
                 if any(not (image_dir / f"{sha}.png").is_file()
-                       for chunk, _ in share for g in chunk for t in g for sha in t.images):
+                       for chunk, _ in share for g, _ in chunk for t in g for sha in t.images):
                     storage.refresh(image_dir)  # written by rollout actors on other nodes
                 res = learner.step([(rl_batch(chunk, str(image_dir), processor, cfg), live) for chunk, live in share])
+                rehearsal.note_peak("step1")
             else:  # every group of the step dropped: nothing to learn from, the step still counts
                 learner.skipped += 1
                 res = None
@@ -192,10 +246,9 @@ def train_loop(config: dict[str, Any]) -> None:  # pragma: no mutate block
             if (step + 1) % config["ckpt_every"] == 0 or step + 1 == config["steps"]:
                 if world > 1:
                     dist.barrier()
+                # every rank stores its own shards at the run root; complete once rank 0's marker is there
                 ckpt.save(engine, ckpt_root, step + 1, learner, buffer, processor, rank, world,
-                          keep=config["keep"])
-                if rank == 0:  # a run folder that mirrors remote storage: the checkpoint and the step log go there
-                    storage.publish(run_folder, "checkpoints")
+                          keep=config["keep"], local_rank=ctx.get_local_rank())
             if rank == 0:
                 row = step_row(step, groups, res, wait_s, sync_s, ray.get(buffer.stats.remote()))
                 log.write(json.dumps(row) + "\n")

@@ -7,14 +7,16 @@ GPU would need, from the model's ``config.json`` (its parameters counted on the 
 nothing is allocated) and the profile's lengths. Then one line per inconsistency; any makes the check
 exit non-zero. What is estimated, and how:
 
-- learner, per GPU: parameters, gradients and AdamW's two moments in the training dtype (float32
-  today: ``osvl.rl.learner_loop`` loads the policy so), divided over the ranks where ZeRO partitions
-  them (stage 3: all three; stage 2: gradients and moments); activations of one micro-batch at its
-  bound (``rl.micro_rows`` rows of ``rl.max_len`` tokens), without gradient checkpointing, with
-  Korthikanti et al.'s 34 x hidden bytes per token and layer at 16 bits (twice that in float32); the
-  logits of the generated positions at most (every token, float32). An upper bound, not a forecast.
-- reference model (``rl.beta`` > 0): float32, whole, in host memory on every learner rank (today's
-  ``reference_model``), so it is host memory per node.
+- learner, per GPU: the weights and gradients in the training dtype (bf16 by default on GPUs,
+  ``learner.bf16``; then also DeepSpeed's fp32 master weights) and AdamW's two fp32 moments, divided
+  over the ranks where ZeRO partitions them (stage 3: all; stage 2: gradients, master weights and
+  moments); activations of one micro-batch at its ceiling, max(``rl.micro_tokens``, ``rl.max_len``)
+  (a group may be split over micro-batches; one row is never split), with gradient checkpointing (each
+  layer's input kept, one layer's activations recomputed at a time) or without (every layer's), at
+  Korthikanti et al.'s 34 x hidden bytes per token and layer at 16 bits; the float32 logits of the
+  generated positions at most (every token). An upper bound, not a forecast.
+- reference model (``rl.beta`` > 0): built as the policy is (``osvl.rl.learner_loop.reference_model``),
+  in the training dtype on the GPU, partitioned under ZeRO-3.
 - rollout, per GPU: vLLM takes ``gpu_memory_utilization`` of the device; the weights (16-bit on a GPU)
   split over the tensor-parallel ranks, and the rest is KV cache, counted in full-length sequences.
 
@@ -117,17 +119,37 @@ def model_shape(config_json: str | Path) -> ModelShape:
                       vocab=text.vocab_size)
 
 
-def learner_gpu_bytes(shape: ModelShape, micro_rows: int, max_len: int, world: int, zero_stage: int,
-                      dtype_bytes: int = 4) -> dict[str, float]:
-    """Per learner GPU, in bytes (see the module docstring)."""
-    p = shape.params
-    states = {"weights": p * dtype_bytes / (world if zero_stage >= 3 else 1),
-              "gradients": p * dtype_bytes / (world if zero_stage >= 2 else 1),
-              "adam moments": 2 * p * 4 / (world if zero_stage >= 1 else 1)}
-    tokens = max(1, micro_rows) * max_len
-    states["activations"] = tokens * shape.layers * shape.hidden * 34 * dtype_bytes / 2
-    states["logits"] = tokens * shape.vocab * 4.0
+def learner_gpu_bytes(shape: ModelShape, tokens: int, gen_tokens: int, world: int, zero_stage: int, *,
+                      bf16: bool, grad_checkpointing: bool, reference: bool) -> dict[str, float]:
+    """Per learner GPU, in bytes, for a micro-batch of ``tokens`` (``gen_tokens`` of them scored; see the
+    module docstring)."""
+    p, w = shape.params, 2 if bf16 else 4
+
+    def split(stage: int) -> int:
+        return world if zero_stage >= stage else 1
+
+    states = {"weights": p * w / split(3)}
+    if bf16:
+        states["fp32 master weights"] = p * 4 / split(1)
+    states["gradients"] = p * w / split(2)
+    states["adam moments"] = 2 * p * 4 / split(1)
+    if reference:
+        states["reference"] = p * w / split(3)
+    layer = tokens * shape.hidden * 34 * w / 2  # one layer's activations at this dtype
+    states["activations"] = (tokens * shape.layers * shape.hidden * w + layer if grad_checkpointing
+                             else layer * shape.layers)
+    states["logits"] = gen_tokens * shape.vocab * 4.0
     return states
+
+
+def learner_tokens(cfg: Any) -> tuple[int, int]:
+    """(tokens, scored tokens) of a learner micro-batch at its ceiling (see the module docstring)."""
+    rl = cfg.rl
+    if rl.micro_tokens:  # rows fill the budget; a row over it (at most max_len) is a micro-batch alone
+        tokens = max(rl.micro_tokens, rl.max_len)
+    else:  # one batch per rank: its share of the step's groups, every row at max_len
+        tokens = -(-cfg.train.groups_per_step // cfg.learner.num_workers) * rl.group_size * rl.max_len
+    return tokens, tokens
 
 
 def check(cfg: Any, shape: ModelShape, nodes: list[NodeType], out: Any = print) -> list[str]:
@@ -178,7 +200,10 @@ def check(cfg: Any, shape: ModelShape, nodes: list[NodeType], out: Any = print) 
                                 f"in {rc.vllm.gpu_memory_utilization:g} of a {gpu / GB:g} GiB GPU")
     # learner
     bundle = worker_bundle(lc.threads_per_worker, lc.use_gpu, lc.role_units)
-    out(f"learner: {lc.num_workers} worker(s), each {bundle}, ZeRO-{lc.zero_stage}, float32 weights and moments"
+    bf16 = lc.bf16 if lc.bf16 is not None else lc.use_gpu
+    out(f"learner: {lc.num_workers} worker(s), each {bundle}, ZeRO-{lc.zero_stage}, "
+        + ("bf16 weights, fp32 master weights and moments" if bf16 else "float32 weights and moments")
+        + (", gradient checkpointing" if lc.grad_checkpointing else "")
         + ("" if lc.role_units else " (learner.role_units 0: any node type may host a worker)"))
     offered("learner", lc.role_units)
     hosts = [n for n in (gpu_nodes if lc.use_gpu else nodes)
@@ -188,22 +213,17 @@ def check(cfg: Any, shape: ModelShape, nodes: list[NodeType], out: Any = print) 
         if lc.num_workers > most:
             problems.append(f"learner: {lc.num_workers} workers need {lc.num_workers} GPUs on one node; the largest "
                             f"learner node type has {most}")
-        need = learner_gpu_bytes(shape, rl.micro_rows, rl.max_len, lc.num_workers, lc.zero_stage)
+        tokens, gen = learner_tokens(cfg)
+        need = learner_gpu_bytes(shape, tokens, gen, lc.num_workers, lc.zero_stage, bf16=bf16,
+                                 grad_checkpointing=lc.grad_checkpointing, reference=rl.beta > 0)
         gpu = min(n.gpu_gb for n in hosts) * GB
+        out(f"  micro-batch ceiling: {tokens} tokens")
         out("  per GPU: " + ", ".join(f"{k} {v / GB:.1f} GiB" for k, v in need.items())
             + f" = {sum(need.values()) / GB:.1f} GiB (of {gpu / GB:g} GiB)")
         if sum(need.values()) > gpu:
-            problems.append(f"learner: {sum(need.values()) / GB:.0f} GiB per GPU needed (micro-batch of "
-                            f"{rl.micro_rows} x {rl.max_len} tokens without gradient checkpointing, float32), above "
-                            f"the {gpu / GB:g} GiB of a GPU")
-        if rl.beta > 0:
-            per_node = min(lc.num_workers, most) * shape.params * 4
-            host = min(n.host_gb for n in hosts) * GB
-            out(f"  reference model: float32, whole, in host memory on every rank: {per_node / GB:.0f} GiB per node "
-                f"(of {host / GB:g} GiB)")
-            if per_node > host:
-                problems.append(f"learner: the reference model takes {per_node / GB:.0f} GiB of host memory per node, "
-                                f"above its {host / GB:g} GiB")
+            problems.append(f"learner: {sum(need.values()) / GB:.0f} GiB per GPU needed (micro-batch of up to "
+                            f"{tokens} tokens, {'bf16' if bf16 else 'float32'}, gradient checkpointing "
+                            f"{'on' if lc.grad_checkpointing else 'off'}), above the {gpu / GB:g} GiB of a GPU")
     # data stages the job chains
     for section in ("synth", "trajectories"):
         offered("data", float(getattr(cfg, section, {}).get("role_units", 0) or 0))

@@ -8,7 +8,9 @@ Order matters for resume: the latest checkpoint is read first, the buffer is
 rebuilt from it (data cursor, ledger, ready groups; slots in flight re-issued), and
 only then do rollout actors start asking for work; the learner loads its model and
 Adam state from the same checkpoint and publishes its version before it waits for
-a batch, so no actor generates with weights older than the gate allows.
+a batch, so no actor generates with weights older than the gate allows. The learner's workers reserve
+their GPUs before any rollout actor is created (``osvl.rl.placement``): the actors SPREAD over what the
+learner leaves, so its ranks share one node whenever one node can hold them.
 
 A monitor thread in the driver watches the actors' ``run`` tasks while the learner
 trains: a dead actor's slots go back to the buffer (``release_actor``) and a
@@ -33,6 +35,7 @@ from osvl.config import RunConfig, opt
 from osvl.rl.learner import RLConfig
 from osvl.rl.rollout import RolloutConfig
 from osvl.storage import publish
+from osvl.train.rehearsal import Rehearsal
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +53,14 @@ class LearnerConfig:
     threads_per_worker: int = opt(1, "CPUs (and torch threads) per learner worker.", hashed=False)
     zero_stage: int = opt(2, "DeepSpeed ZeRO stage (0-3).", hashed=False)
     use_gpu: bool = opt(False, "Learner workers on GPUs (NCCL, one GPU each).", hashed=False)
+    bf16: bool | None = opt(None, "bf16 weights and activations with fp32 master weights and Adam moments "
+                                  "(DeepSpeed bf16); None = on with GPUs, off (fp32) on CPU.")
+    grad_checkpointing: bool = opt(True, "Recompute each decoder layer's activations in backward: a step's "
+                                         "activation memory is one layer's, not every layer's.", hashed=False)
+    rehearsal: Rehearsal = opt("off", "Run the learner under the GPU rehearsal on CPU (osvl/train/rehearsal.py): "
+                                      "every model input and every collective of osvl code must have gone "
+                                      "through the placement helpers, and each rank's peak host memory is "
+                                      "recorded; the plant_* values are the rehearsal's self-test.", hashed=False)
     max_failures: int = opt(1, "Ray Train restarts of a failed learner worker group (resumes from the checkpoint).",
                             hashed=False)
     weights: Literal["object_store", "nccl"] = opt(
@@ -212,14 +223,13 @@ def train(parts: GRPOParts, model_dir: str | Path, questions: list[dict[str, Any
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    from osvl.cluster import role_resources
     from osvl.metrics import Recorder
     from osvl.rl import checkpoint as ckpt
     from osvl.rl.buffer import TrajectoryBuffer
     from osvl.rl.learner_loop import train_loop
+    from osvl.rl.placement import make_learner, rollout_actor_class, start_learner
     from osvl.rl.rollout import RolloutWorker
     from osvl.rl.weights import WeightStore, check_transport
-    from osvl.train.deepspeed import make_trainer
 
     check_transport(parts.learner.weights)
     parts.rollout.check()
@@ -259,31 +269,28 @@ def train(parts: GRPOParts, model_dir: str | Path, questions: list[dict[str, Any
              "images": storage.location(image_dir)}
 
     def make_actor(name: str) -> Any:
-        return ray.remote(RolloutWorker).options(
-            scheduling_strategy="SPREAD",  # over the rollout nodes: losing one node loses the fewest actors
-            max_restarts=0, runtime_env=rc.runtime_env(), **rc.actor_options(), **named(name)).remote(
+        return rollout_actor_class(RolloutWorker, rc, **named(name)).remote(
             name, rc, where["model"], questions_ref, where["questions"], where["images"], buffer, store,
             parts.rl.group_size, parts.rl.mask_at, rec)
 
-    actors = {f"rollout{i}": make_actor(f"rollout{i}") for i in range(rc.num_actors)}
-    monitor = Monitor(make_actor, buffer, actors, log_path, print_row or (lambda row: None), tc.max_actor_restarts,
-                      log, rec)
-    monitor.start()
     loop_config = {"rl": parts.rl, "model_dir": where["model"], "image_dir": where["images"], "buffer": buffer,
                    "store": store, "steps": tc.steps, "run": storage.location(out),
                    "ckpt_every": tc.ckpt_every, "keep": tc.keep, "zero_stage": parts.learner.zero_stage,
                    "threads": parts.learner.threads_per_worker,
                    "weights_every": tc.weights_every, "seed": parts.run.seed,
                    "temperature": parts.rollout.agent.temperature, "recorder": rec,
-                   "max_staleness": tc.max_staleness}
+                   "max_staleness": tc.max_staleness, "learner": parts.learner}
     t0 = time.perf_counter()
+    # the learner's GPUs are reserved before any rollout actor's (osvl/rl/placement.py): actors SPREAD first
+    # would take GPUs on every node and split the learner's group; its train loop publishes the weights
+    # and then waits for the actors' groups in buffer.take
+    learner = start_learner(make_learner(train_loop, loop_config, parts.learner, out))
+    actors = {f"rollout{i}": make_actor(f"rollout{i}") for i in range(rc.num_actors)}
+    monitor = Monitor(make_actor, buffer, actors, log_path, print_row or (lambda row: None), tc.max_actor_restarts,
+                      log, rec)
+    monitor.start()
     try:
-        trainer = make_trainer(train_loop, loop_config, num_workers=parts.learner.num_workers,
-                               threads_per_worker=parts.learner.threads_per_worker, use_gpu=parts.learner.use_gpu,
-                               storage=out, name="ray_train", keep=1,
-                               max_failures=parts.learner.max_failures,
-                               resources=role_resources("learner", parts.learner.role_units))
-        trainer.fit()
+        learner.join()
     finally:
         monitor.stop.set()
         monitor.join(timeout=30)

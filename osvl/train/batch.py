@@ -155,10 +155,9 @@ def token_logprobs(model, batch: dict[str, torch.Tensor], temperature: float = 1
     """
     if temperature <= 0:
         raise DataError(f"temperature must be > 0 for log-probs, got {temperature}")
-    param = next(model.parameters())
-    # pixels follow the weights' dtype (a bf16 engine on GPU); token ids and masks keep theirs
-    inputs = {k: v.to(param.device, dtype=param.dtype if v.is_floating_point() else v.dtype)
-              for k, v in model_inputs(batch).items()}
+    from osvl.train import device
+
+    inputs = device.to_model(model_inputs(batch), model)  # pixels in the weights' dtype (bf16 on GPU)
     logits = model(**inputs, use_cache=False).logits[:, :-1].float()
     if temperature != 1.0:
         logits = logits / temperature
@@ -169,7 +168,7 @@ def token_logprobs(model, batch: dict[str, torch.Tensor], temperature: float = 1
 
 def masked_nll(logp: torch.Tensor, gen_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(sum of -log p over gen-mask tokens, number of those tokens): SFT's loss numerator and divisor."""
-    mask = gen_mask.to(logp.device, logp.dtype)
+    mask = gen_mask.to(logp.device, logp.dtype)  # a (B, T) host mask beside the model's log-probs
     return -(logp * mask).sum(), mask.sum()
 
 

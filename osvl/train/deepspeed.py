@@ -33,23 +33,31 @@ HF_SUBDIR = "hf"
 
 
 def ds_config(stage: int, *, micro_batch: int, grad_accum: int, world_size: int, grad_clip: float = 1.0,
-              bf16: bool = False) -> dict[str, Any]:
-    """A DeepSpeed config for ZeRO ``stage`` (2 or 3) with an external torch optimizer and scheduler.
+              bf16: bool = False, hidden_size: int = 0, on_gpu: bool = False) -> dict[str, Any]:
+    """A DeepSpeed config for ZeRO ``stage`` with an external torch optimizer and scheduler.
 
     ``train_batch_size`` is spelled out (micro x accumulation x world) because DeepSpeed checks
     the three against each other. ZeRO-3 gathers the 16-bit (here: the training dtype) weights on
     save so that ``hf_state_dict`` can write a loadable Hugging Face directory.
+
+    ZeRO-3 tuning (the values Hugging Face's "auto" picks, and OpenRLHF runs), from the model's
+    ``hidden_size`` h: a parameter under 10 h elements (norms, biases) stays whole on every rank
+    (gathering it costs more than it saves), the next layers' weights are prefetched in buckets of
+    0.9 h^2 elements and gradients reduced in buckets of h^2. ``overlap_comm`` runs the reductions
+    on their own CUDA stream during backward: on with GPUs; the CPU accelerator has no streams to
+    overlap on, so it stays off there. ``hidden_size`` 0 (a test's tiny model): nothing persistent,
+    so the stage-3 gather/release path runs on every parameter.
     """
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"ZeRO stage must be 0..3, got {stage}")
     zero: dict[str, Any] = {"stage": stage}
     if stage == 3:
+        h = hidden_size
         zero.update(stage3_gather_16bit_weights_on_model_save=True,
-                    # small models: never keep a parameter persistent just because it is small,
-                    # so the stage-3 path (gather before use, release after) is really exercised
-                    stage3_param_persistence_threshold=0)
+                    stage3_param_persistence_threshold=10 * h,
+                    **({"stage3_prefetch_bucket_size": int(0.9 * h * h), "reduce_bucket_size": h * h} if h else {}))
     if stage >= 2:
-        zero.update(overlap_comm=False, contiguous_gradients=True)
+        zero.update(overlap_comm=on_gpu, contiguous_gradients=True)
     return {
         "train_batch_size": micro_batch * grad_accum * world_size,
         "train_micro_batch_size_per_gpu": micro_batch,
@@ -61,6 +69,14 @@ def ds_config(stage: int, *, micro_batch: int, grad_accum: int, world_size: int,
         "steps_per_print": 1 << 30,  # the job prints its own progress line
         "wall_clock_breakdown": False,
     }
+
+
+def hidden_size(model_dir: str | Path) -> int:
+    """The language model's hidden size from the checkpoint's config.json (ZeRO-3's bucket sizes)."""
+    from osvl.models.load import read_config
+
+    cfg = read_config(model_dir)
+    return int(cfg.get("text_config", cfg).get("hidden_size", 0))
 
 
 def use_venv_ninja() -> None:
@@ -84,12 +100,13 @@ def build_comm_op() -> None:
     get_accelerator().create_op_builder("ShareMemCommBuilder").load()
 
 
-def init_engine(model, optimizer, lr_scheduler, config: dict[str, Any]):
-    """``deepspeed.initialize`` inside a Ray Train worker (the process group already exists)."""
+def init_process_group() -> None:
+    """The process group DeepSpeed (and ``zero.Init``) runs on: Ray Train's (gloo on CPU, NCCL on GPU) inside
+    a Ray Train worker; outside one (a plain script, a test), a one-process group."""
     import deepspeed
     import torch.distributed as dist
 
-    if not dist.is_initialized():  # outside Ray Train (a plain script): one process
+    if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
         os.environ.setdefault("RANK", "0")
@@ -97,6 +114,94 @@ def init_engine(model, optimizer, lr_scheduler, config: dict[str, Any]):
         os.environ.setdefault("LOCAL_RANK", "0")
     use_venv_ninja()
     deepspeed.init_distributed(dist_backend=dist.get_backend() if dist.is_initialized() else None)
+
+
+class _Zero3:
+    """What transformers asks of a registered DeepSpeed config: is it ZeRO-3, and the dict itself."""
+
+    def __init__(self, config: dict[str, Any]) -> None:
+        self.config = config
+
+    def is_zero3(self) -> bool:
+        return True
+
+
+def load_trainable(model_dir: str | Path, config: dict[str, Any], *, grad_checkpointing: bool = False,
+                   frozen: bool = False) -> Any:
+    """The model as ``config`` will run it: bf16 when its ``bf16`` is on (DeepSpeed keeps fp32 master weights
+    and moments beside it), else fp32; under ZeRO-3 built *partitioned* (``zero.Init`` through transformers'
+    ``HfDeepSpeedConfig``): each layer is created, filled from the checkpoint (read by rank 0 alone) and
+    split over the ranks at once, so no rank ever holds the whole model. Built whole, an 8B model is
+    32 GB of fp32 per rank, 8 ranks a node (64 GB with the reference); partitioned over 8 GPUs, 2 GB of bf16
+    each (``bench/learner_memory.py`` measures both builds' host memory at 263M parameters).
+
+    ``grad_checkpointing``: every decoder layer recomputes its activations in backward, so a step
+    keeps one layer's activations instead of every layer's. ``frozen``: no parameter needs a
+    gradient (the reference model).
+    """
+    from transformers.integrations.deepspeed import set_hf_deepspeed_config, unset_hf_deepspeed_config
+
+    from osvl.models.load import load_model
+
+    dtype = "bfloat16" if config.get("bf16", {}).get("enabled") else "float32"
+    if config["zero_optimization"]["stage"] == 3:
+        init_process_group()
+        # transformers finds the config through a module-level weak reference while it builds the model (what
+        # its HfDeepSpeedConfig registers, which also demands accelerate; the two methods it reads are these);
+        # unset right after, so a later load in this process (a ZeRO-2 engine, an evaluation) is not partitioned
+        marker = _Zero3(config)
+        set_hf_deepspeed_config(marker)
+        try:
+            model = load_model(model_dir, dtype=dtype, device=None)
+        finally:
+            unset_hf_deepspeed_config()
+    else:
+        model = load_model(model_dir, dtype=dtype)
+    model.config.use_cache = False
+    if grad_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if frozen:
+        for p in model.parameters():
+            p.requires_grad_(False)
+    return model
+
+
+def partitioned_copy(model: Any, config: dict[str, Any]) -> Any:
+    """A frozen copy of the ZeRO-3 partitioned ``model`` (built by ``load_trainable`` with ``config``, before its
+    engine), made without reading the checkpoint again: the same architecture built empty under ``zero.Init``,
+    then each rank's partition of each weight copied from ``model``'s (the two split every weight the same
+    way). The reference model starts as the policy: a second read would hold the checkpoint's mapped file
+    on rank 0 a second time beside both models' partitions (``bench/learner_memory.py``), and cost the read."""
+    from transformers.integrations.deepspeed import set_hf_deepspeed_config, unset_hf_deepspeed_config
+
+    marker = _Zero3(config)
+    set_hf_deepspeed_config(marker)
+    try:
+        copy = type(model)._from_config(model.config, dtype=next(model.parameters()).dtype)
+    finally:
+        unset_hf_deepspeed_config()
+    theirs = dict(copy.named_parameters())
+    for name, p in model.named_parameters():
+        q = theirs.pop(name)
+        if p.ds_tensor.shape != q.ds_tensor.shape:
+            raise RuntimeError(f"{name}: partitions differ ({tuple(p.ds_tensor.shape)} vs {tuple(q.ds_tensor.shape)})")
+        q.ds_tensor.data.copy_(p.ds_tensor.data)
+        q.requires_grad_(False)
+    if theirs:
+        raise RuntimeError(f"the copy has parameters the model lacks: {sorted(theirs)[:5]}")
+    buffers = dict(model.named_buffers())
+    for name, b in copy.named_buffers():
+        b.data.copy_(buffers[name].data)
+    copy.config.use_cache = False
+    return copy.eval()
+
+
+def init_engine(model, optimizer, lr_scheduler, config: dict[str, Any]):
+    """``deepspeed.initialize`` inside a Ray Train worker (the process group already exists); with no
+    optimizer (``None``) an inference engine (the partitioned reference model)."""
+    import deepspeed
+
+    init_process_group()
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=lr_scheduler,
                                            config=config)
     return engine
@@ -159,7 +264,8 @@ def worker_bundle(threads_per_worker: int, use_gpu: bool, role_units: float = 0.
 
 def make_trainer(train_fn: Callable[[dict], None], loop_config: dict, *, num_workers: int,
                  threads_per_worker: int, use_gpu: bool, storage: Path | str, name: str,
-                 keep: int, max_failures: int, resources: dict[str, float] | None = None):
+                 keep: int, max_failures: int, resources: dict[str, float] | None = None,
+                 placement_strategy: str = "PACK"):
     """A ``TorchTrainer`` running ``train_fn`` on ``num_workers`` workers (gloo on CPU, NCCL on GPU).
 
     Each worker reserves ``threads_per_worker`` CPUs (plus ``resources``, e.g. its role's custom
@@ -168,6 +274,8 @@ def make_trainer(train_fn: Callable[[dict], None], loop_config: dict, *, num_wor
     ``storage`` and ``name`` resumes from the latest of the ``keep`` checkpoints. ``storage`` is a run
     folder; when it mirrors remote storage (``osvl.storage``) the checkpoints go straight there, from
     every node (Ray Train refuses a local ``storage_path`` once its workers span nodes).
+    ``placement_strategy`` is the Ray placement-group strategy of the workers' bundles (PACK,
+    STRICT_PACK, SPREAD).
     """
     import ray.train
     from ray.train.torch import TorchConfig, TorchTrainer
@@ -181,7 +289,7 @@ def make_trainer(train_fn: Callable[[dict], None], loop_config: dict, *, num_wor
         train_loop_config=loop_config,
         torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),
         scaling_config=ray.train.ScalingConfig(num_workers=num_workers, use_gpu=use_gpu, resources_per_worker={
-            **worker_bundle(threads_per_worker, use_gpu), **(resources or {})}),
+            **worker_bundle(threads_per_worker, use_gpu), **(resources or {})}, placement_strategy=placement_strategy),
         run_config=ray.train.RunConfig(name=name, storage_path=storage_path, storage_filesystem=storage_fs,
                                        checkpoint_config=ray.train.CheckpointConfig(num_to_keep=keep),
                                        failure_config=ray.train.FailureConfig(max_failures=max_failures)),

@@ -40,6 +40,7 @@ from typing import Any, Literal
 from osvl.config import RunConfig, opt
 from osvl.errors import ConfigError, DataError
 from osvl.models.tiny import TinyKind, checkpoint_name
+from osvl.train.rehearsal import Rehearsal
 from osvl.train.sft_data import check_tokenizer, count_rows, load_split, long_rows, parquet_files
 from osvl.train.sft_loop import JOB, draw_curves, train_loop
 
@@ -86,6 +87,9 @@ class SftConfig:
     num_workers: int = opt(2, "Ray Train workers (data parallel).", hashed=False)
     threads_per_worker: int = opt(1, "CPUs each worker reserves and torch threads it uses.", hashed=False)
     use_gpu: bool = opt(False, "One GPU per worker, NCCL.", hashed=False)
+    rehearsal: Rehearsal = opt("off", "Run under the GPU rehearsal on CPU (osvl/train/rehearsal.py): every model "
+                                      "input and every collective of osvl code must have gone through the "
+                                      "placement helpers; each rank's peak host memory is recorded.", hashed=False)
     ckpt_every: int = opt(50, "Checkpoint every N optimizer steps (and at the end).")
     keep: int = opt(2, "Checkpoints kept (the newest).", hashed=False)
     val_every: int = opt(50, "Validation loss every N steps (and at the end; 0 = only at the end).")

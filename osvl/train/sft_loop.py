@@ -42,14 +42,12 @@ def lr_lambda(total: int, warmup: float, floor: float):
     return f
 
 
-def build_model(cfg: SftConfig, model_dir: str, dtype: str):
-    """The model to train, with gradient checkpointing and the frozen vision tower as configured."""
-    from osvl.models.load import load_model
+def build_model(cfg: SftConfig, model_dir: str, ds_cfg: dict):
+    """The model to train, built as ``ds_cfg`` runs it (bf16 or fp32; partitioned under ZeRO-3), with
+    gradient checkpointing and the frozen vision tower as configured."""
+    from osvl.train.deepspeed import load_trainable
 
-    model = load_model(model_dir, dtype=dtype)
-    model.config.use_cache = False
-    if cfg.grad_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model = load_trainable(model_dir, ds_cfg, grad_checkpointing=cfg.grad_checkpointing)
     if cfg.freeze_vision:
         for p in model.model.visual.parameters():
             p.requires_grad_(False)
@@ -77,7 +75,8 @@ def _gen_tokens(rows, max_len: int) -> int:
 def validate(engine, ds, image_dir, processor, cfg: SftConfig, rank: int, world: int) -> float:
     """Token-mean NLL over the validation questions; every rank runs the same number of forwards (ZeRO-3)."""
     import torch
-    import torch.distributed as dist
+
+    from osvl.train import device
 
     engine.eval()
     tot = torch.zeros(2, dtype=torch.float64)
@@ -88,7 +87,7 @@ def validate(engine, ds, image_dir, processor, cfg: SftConfig, rank: int, world:
             nll, n_gen, *_ = _forward_nll(engine, mine or rows[:1], image_dir, processor, cfg)
             tot += torch.tensor([float(nll) * weight, float(n_gen) * weight], dtype=torch.float64)
     engine.train()
-    dist.all_reduce(tot)
+    tot = device.all_reduce(tot)
     return float(tot[0] / tot[1]) if tot[1] > 0 else float("nan")
 
 
@@ -96,12 +95,12 @@ def train_loop(config: dict) -> None:
     """One Ray Train worker: DeepSpeed engine, deterministic data stream, checkpoints, metrics."""
     import ray.train
     import torch
-    import torch.distributed as dist
 
     from osvl.logs import setup
     from osvl.metrics import TRAIN_GRAD_NORM, TRAIN_LOSS, TRAIN_LR, TRAIN_TOKENS_PER_S, TRAIN_VAL_LOSS, Recorder
     from osvl.models.load import load_processor
-    from osvl.train.deepspeed import ds_config, init_engine, load_checkpoint, save_checkpoint
+    from osvl.train import device, rehearsal
+    from osvl.train.deepspeed import ds_config, hidden_size, init_engine, load_checkpoint, save_checkpoint
 
     setup()  # a Ray Train worker: its root logger is not configured yet
     cfg: SftConfig = config["cfg"]
@@ -114,15 +113,18 @@ def train_loop(config: dict) -> None:
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     bf16 = cfg.bf16 if cfg.bf16 is not None else cfg.use_gpu
+    rehearsal.install(cfg.rehearsal, log_file.parent, rank)
     torch.manual_seed(cfg.run.seed)
-    model = build_model(cfg, config["model_dir"], "float32")
+    ds_cfg = ds_config(cfg.zero_stage, micro_batch=cfg.micro_batch, grad_accum=cfg.grad_accum, world_size=world,
+                       grad_clip=cfg.grad_clip, bf16=bf16, hidden_size=hidden_size(config["model_dir"]),
+                       on_gpu=cfg.use_gpu)
+    model = build_model(cfg, config["model_dir"], ds_cfg)
     processor = load_processor(config["model_dir"])
     params = [p for p in model.parameters() if p.requires_grad]
     optim = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
     sched = torch.optim.lr_scheduler.LambdaLR(optim, lr_lambda(total, cfg.warmup, cfg.min_lr_ratio))
-    engine = init_engine(model, optim, sched, ds_config(
-        cfg.zero_stage, micro_batch=cfg.micro_batch, grad_accum=cfg.grad_accum, world_size=world,
-        grad_clip=cfg.grad_clip, bf16=bf16))
+    engine = init_engine(model, optim, sched, ds_cfg)
+    rehearsal.note_peak("load")
 
     step = 0
     ckpt = ray.train.get_checkpoint()
@@ -209,7 +211,8 @@ def train_loop(config: dict) -> None:
             pending = []
             micro_done += cfg.grad_accum
             step += 1
-            dist.all_reduce(stats)
+            stats = device.all_reduce(stats)
+            rehearsal.note_peak("step1")
             gn = engine.get_global_grad_norm()
             finish_step(float(stats[0] / max(stats[1], 1.0)), float(gn if gn is not None else float("nan")),
                         int(stats[2]), int(stats[3]), int(stats[4]))
