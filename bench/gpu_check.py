@@ -11,7 +11,15 @@
    one device-to-device copy in the child) vs a CPU copy (GPU -> host, pickled through a pipe, host ->
    GPU), each timed until the child reports the weights in place.
 
-Nothing here needs Ray, vLLM or DeepSpeed; what would (vLLM's own update path, NCCL across nodes)
+4. The learner on one GPU as a job runs it, without Ray Train (needs DeepSpeed: its wheel is small and
+   pure Python until an op is built): a one-rank NCCL group, bf16 with fp32 master weights, ZeRO-3,
+   the model built partitioned (``load_trainable``), gradient checkpointing. Two SFT steps and two GRPO
+   learner steps (``Learner.step``, the reference model as a ZeRO-3 engine) of the tiny model, their
+   losses printed; then one GRPO step of the Qwen-shaped 0.5B model on one micro-batch of
+   ``rl.micro_tokens`` tokens, ``torch.cuda.max_memory_allocated`` beside what ``jobs/grpo.py --check``
+   estimates for that rank (``osvl.rl.plan.learner_gpu_bytes``; the goal: within 25%).
+
+Nothing else here needs Ray, vLLM or DeepSpeed; what would (vLLM's own update path, NCCL across nodes)
 prints ``skipped: <reason>``.
 """
 
@@ -161,6 +169,83 @@ def weight_update(path: Path, kinds: tuple[str, ...] = ("ipc", "cpu")) -> dict:
     return {"update_mib": round(nbytes / 2**20), **{f"update_{k}_s": round(v, 3) for k, v in best.items()}}
 
 
+def _learner(path: Path, cfg, groups) -> tuple[object, object]:
+    """A one-rank GRPO learner built as ``osvl.rl.learner_loop.train_loop`` builds it (bf16, ZeRO-3, on GPU)."""
+    from osvl.models.load import load_processor
+    from osvl.rl.learner import Learner, learner_ds_config, make_engine
+    from osvl.rl.learner_loop import rank_share, reference_model, rl_batch
+    from osvl.train.deepspeed import hidden_size, load_trainable
+
+    ds = learner_ds_config(cfg, zero_stage=3, world=1, bf16=True, hidden_size=hidden_size(path), on_gpu=True)
+    model = load_trainable(path, ds, grad_checkpointing=True)
+    ref = reference_model(path, cfg, ds, policy=model)
+    learner = Learner(make_engine(model, cfg, config=ds), cfg, ref_model=ref)
+    processor = load_processor(path)
+    return learner, [(rl_batch(c, "", processor, cfg), live) for c, live in rank_share(groups, 0, 1, cfg)]
+
+
+def learner_steps(path05b: Path) -> dict:
+    """Part 4 (module docstring)."""
+    try:
+        import deepspeed  # noqa: F401
+    except ImportError:
+        say("learner steps: skipped: deepspeed is not installed here")
+        return {}
+    import random
+
+    from bench.learner import episode
+    from osvl.models.load import load_processor
+    from osvl.rl.learner import RLConfig
+    from osvl.rl.plan import learner_gpu_bytes, model_shape
+    from osvl.train.batch import collate, masked_nll, token_logprobs
+    from osvl.train.deepspeed import ds_config, hidden_size, init_engine, init_process_group, load_trainable
+
+    init_process_group()  # one rank: NCCL on CUDA (DeepSpeed's choice for the accelerator)
+    tiny = tiny_checkpoint("qwen3_vl")
+    rng = random.Random(0)
+    rows = [episode(rng, 0, i, 600 + 40 * i, float(i % 2)) for i in range(4)]
+    out: dict = {}
+    # SFT: the loss of sft_loop's micro-batch (gen-token NLL), two optimiser steps
+    ds = ds_config(3, micro_batch=2, grad_accum=1, world_size=1, bf16=True, hidden_size=hidden_size(tiny), on_gpu=True)
+    model = load_trainable(tiny, ds, grad_checkpointing=True)
+    engine = init_engine(model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4),
+                         None, ds)
+    batch = collate(rows[:2], "", load_processor(tiny), 4096, "cut")
+    losses = []
+    for _ in range(2):
+        nll, n = masked_nll(token_logprobs(engine, batch), batch["gen_mask"])
+        engine.backward(nll / n)
+        engine.step()
+        losses.append(round(float((nll / n).detach()), 4))
+    say(f"SFT, tiny model, 1 rank NCCL, bf16, ZeRO-3: losses {losses}")
+    out["sft_losses"] = losses
+    del engine, model
+    # GRPO: two learner steps of one group
+    cfg = RLConfig(beta=0.01, lr=1e-5, max_len=4096, micro_tokens=2048)
+    learner, micro = _learner(tiny, cfg, [rows])
+    steps = [learner.step(micro) for _ in range(2)]
+    out["grpo_losses"] = [round(r.loss, 4) for r in steps]
+    say(f"GRPO learner, tiny model, 1 rank NCCL, bf16, ZeRO-3: losses {out['grpo_losses']}, "
+        f"grad norms {[round(r.grad_norm, 4) for r in steps]}")
+    del learner, micro
+    # the 0.5B model: one step of one micro-batch at the budget, measured against --check's estimate
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    cfg = RLConfig(beta=0.01, lr=1e-5, max_len=4096, micro_tokens=4096)
+    group = [episode(rng, 1, i, 1000, float(i % 2)) for i in range(4)]
+    learner, micro = _learner(path05b, cfg, [group])
+    learner.step(micro)
+    used = torch.cuda.max_memory_allocated()
+    tokens = max(len(b["input_ids"][0]) * len(b["input_ids"]) for b, _ in micro)
+    want = sum(learner_gpu_bytes(model_shape(path05b / "config.json"), tokens, tokens, 1, 3, bf16=True,
+                                 grad_checkpointing=True, reference=True).values())
+    say(f"GRPO learner, 0.5B shape, one micro-batch of {tokens} tokens: max_memory_allocated "
+        f"{used / 2**30:.2f} GiB, --check estimate {want / 2**30:.2f} GiB ({used / want:.2f} of it)")
+    out.update(learner_peak_gib=round(used / 2**30, 2), check_estimate_gib=round(want / 2**30, 2),
+               measured_over_estimate=round(used / want, 2))
+    return out
+
+
 def main() -> None:
     t_start = time.perf_counter()
     say(f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}")
@@ -170,6 +255,7 @@ def main() -> None:
         path = qwen_05b_checkpoint(Path(tmp))
         figures["qwen05b_tokens_s"] = round(engine_tokens_s(path, "Qwen-shaped 0.5B"))
         figures.update(weight_update(path))
+        figures.update(learner_steps(path))
     for part, module in (("vLLM engine update_weights", "vllm"), ("Ray-placed NCCL broadcast", "ray")):
         try:
             __import__(module)

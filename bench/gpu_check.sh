@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
 # The GPU code paths on a machine with one GPU, in under 8 minutes: EDSR batched vs unbatched on
 # CUDA (fp16), the HF engine's tokens/s (tiny model; a random-init Qwen-shaped ~0.5B model), and
-# the weight-update time of that model into a generating process through CUDA IPC vs a CPU copy.
+# the weight-update time of that model into a generating process through CUDA IPC vs a CPU copy, and
+# (with DeepSpeed) the learner's SFT and GRPO steps on one NCCL rank, bf16, ZeRO-3, and its peak GPU
+# memory beside jobs/grpo.py --check's estimate.
 #
 #   bench/gpu_check.sh                 # uses $PYTHON, else .venv/bin/python, else python3
 #
 # Needs only torch (with CUDA), transformers, numpy and pillow, plus basicsr (its EDSR source;
 # `pip install --no-deps basicsr==1.4.2`) and this checkout on PYTHONPATH: no Ray, vLLM or
-# DeepSpeed, so it runs on a bare GPU box. Parts that need what is missing print
+# DeepSpeed (DeepSpeed only for the learner part: `pip install --no-deps deepspeed`), so it runs on a
+# bare GPU box. Parts that need what is missing print
 # `skipped: <reason>`. The last line is one JSON object; `ratio` = EDSR batched / unbatched.
 # Without a GPU it says so and exits 0.
 set -euo pipefail

@@ -117,7 +117,7 @@ def main() -> None:
     from osvl.config import parse_args, script_flags
     from osvl.models.load import load_model, load_processor
     from osvl.rl.job import JOB, GRPOConfig, prepare
-    from osvl.rl.learner import Learner, make_engine
+    from osvl.rl.learner import Learner, learner_ds_config, make_engine
     from osvl.rl.learner_loop import rank_share, reference_model, rl_batch
     from osvl.rl.trainer import heldout_questions, read_questions
 
@@ -147,7 +147,7 @@ def main() -> None:
     torch.manual_seed(cfg.run.seed)
     temperature = cfg.rollout.agent.temperature
     processor = load_processor(model_dir)
-    ref = reference_model(model_dir, cfg.rl)
+    ref = reference_model(model_dir, cfg.rl, learner_ds_config(cfg.rl))  # ZeRO-2, fp32: the one-worker CPU job's
     learner = Learner(make_engine(load_model(model_dir, dtype="float32"), cfg.rl), cfg.rl, ref_model=ref,
                       temperature=temperature)
     rows = []

@@ -1,10 +1,11 @@
-"""One GRPO learner step in micro-batches of whole groups packed by length vs one padded batch.
+"""One GRPO learner step in micro-batches of a token budget, rows packed by length, vs one padded batch.
 
 The step the demo trains at 8 groups of G=4: 32 trajectories whose lengths spread over
 1,600-3,200 tokens (what the demo policy's episodes measure: a system prompt, the question, five
 turns, tool answers). In one batch every row is padded to the step's longest and every activation
-of the 32 rows is alive at once; ``rl.micro_rows`` packs whole groups, sorted by their longest row,
-into micro-batches and accumulates their gradients (``osvl.rl.learner_loop.rank_share``,
+of the 32 rows is alive at once; ``rl.micro_tokens`` packs rows (groups in order of their longest
+row, a group's rows shortest first) into micro-batches of that many tokens and accumulates their
+gradients (``osvl.rl.learner_loop.rank_share``,
 ``Learner.step``). Both run the real learner: a one-rank DeepSpeed ZeRO-2 engine on the committed
 demo policy (``osvl/models/weights/tiny_policy``), from the same weights, on the same rows, with
 SGD, so the two updates must agree (``max_update_diff``, float32 summation order only).
@@ -12,7 +13,7 @@ SGD, so the two updates must agree (``max_update_diff``, float32 summation order
 Rows are text (random ordinary tokens, the generated/context pattern of an agent episode): the
 vision tower's cost is the same in both and small at the demo's image sizes.
 
-    .venv/bin/python bench/learner.py [--groups=8] [--group_size=4] [--micro_rows=8] [--repeats=2]
+    .venv/bin/python bench/learner.py [--groups=8] [--group_size=4] [--micro_tokens=16384] [--repeats=2]
 
 Last stdout line: JSON with each variant's CPU-seconds per step (best of ``--repeats``) and
 ``ratio`` = one padded batch's over the micro-batches'.
@@ -58,8 +59,8 @@ def main() -> None:
     from osvl.rl.learner import Learner, RLConfig, forward_logprobs, make_engine
     from osvl.rl.learner_loop import rank_share, rl_batch
 
-    flag, _ = script_flags(sys.argv[1:], {"groups": 8, "group_size": 4, "micro_rows": 8, "repeats": 2})
-    n_groups, size, micro, repeats = flag["groups"], flag["group_size"], flag["micro_rows"], flag["repeats"]
+    flag, _ = script_flags(sys.argv[1:], {"groups": 8, "group_size": 4, "micro_tokens": 16384, "repeats": 2})
+    n_groups, size, micro, repeats = flag["groups"], flag["group_size"], flag["micro_tokens"], flag["repeats"]
     torch.set_num_threads(2)
     rng = random.Random(0)
     groups = []
@@ -74,8 +75,8 @@ def main() -> None:
             for tr in g:
                 tr.logprobs = forward_logprobs(init, rl_batch([[tr]], "", processor, RLConfig()))[0][0].tolist()
 
-    def run(micro_rows: int) -> tuple[float, dict[str, torch.Tensor]]:
-        cfg = RLConfig(beta=0.0, lr=1.0, grad_clip=0.0, aggregation="token_mean", micro_rows=micro_rows)
+    def run(micro_tokens: int) -> tuple[float, dict[str, torch.Tensor]]:
+        cfg = RLConfig(beta=0.0, lr=1.0, grad_clip=0.0, aggregation="token_mean", micro_tokens=micro_tokens)
         best, delta = float("inf"), {}
         for _ in range(repeats):
             model = load_model(POLICY, dtype="float32")
@@ -85,7 +86,7 @@ def main() -> None:
             res = learner.step([(rl_batch(chunk, "", processor, cfg), live) for chunk, live in share])
             best = min(best, res.cpu_s)
             delta = {k: v.detach() - before[k] for k, v in model.named_parameters()}
-        print(f"  micro_rows={micro_rows}: {len(share)} micro-batch(es), {best:.1f} CPU-s per step", flush=True)
+        print(f"  micro_tokens={micro_tokens}: {len(share)} micro-batch(es), {best:.1f} CPU-s per step", flush=True)
         return best, delta
 
     t0 = time.perf_counter()
@@ -94,7 +95,7 @@ def main() -> None:
     diff = max(float((got[k] - want[k]).abs().max()) for k in want)
     rows = [len(tr.input_ids) for g in groups for tr in g]
     print(json.dumps({"ratio": round(padded_s / micro_s, 3), "padded_cpu_s": round(padded_s, 2),
-                      "micro_cpu_s": round(micro_s, 2), "micro_rows": micro, "groups": n_groups, "group_size": size,
+                      "micro_cpu_s": round(micro_s, 2), "micro_tokens": micro, "groups": n_groups, "group_size": size,
                       "tokens": sum(rows), "padded_tokens": max(rows) * len(rows), "max_update_diff": diff,
                       "seconds": round(time.perf_counter() - t0, 1)}))
 
