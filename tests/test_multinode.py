@@ -48,18 +48,17 @@ def grpo_args(root: str) -> list[str]:
             "--rl.group_size=2", "--rl.max_len=2048", f"--train.steps={STEPS}", "--train.groups_per_step=2",
             "--train.ckpt_every=1", "--train.max_staleness=0", "--rollout.num_actors=2", "--rollout.num_gpus=0.5",
             "--rollout.role_units=1", "--rollout.agent.max_turns=2", "--rollout.agent.max_new_tokens=32",
-            "--rollout.agent.max_episode_tokens=2048", "--learner.role_units=1", "--eval.n_heldout=1",
+            "--rollout.agent.max_episode_tokens=2048", "--learner.role_units=1", *LEARNERS, "--eval.n_heldout=1",
             "--eval.concurrency=1"]
 
 
 def _submit(cluster: dict, root: str, steps: int = STEPS) -> tuple[subprocess.Popen, list[str]]:
-    """Start ``ray job submit`` (with ``LEARNERS`` and ``steps`` GRPO steps); its output lines, each prefixed
+    """Start ``ray job submit`` (``steps`` GRPO steps); its output lines, each prefixed
     with seconds since submission, fill the list (printed when the test ends: where the time goes, stage by
     stage)."""
     import threading
 
-    args = [a for a in grpo_args(root) if not a.startswith("--train.steps=")] + [f"--train.steps={steps}",
-                                                                                 *LEARNERS]
+    args = [a for a in grpo_args(root) if not a.startswith("--train.steps=")] + [f"--train.steps={steps}"]
     cmd = [str(Path(sys.executable).parent / "ray"), "job", "submit", "--address", cluster["address"],
            "--working-dir", ".", "--", "python", "jobs/grpo.py", *args]
     job = subprocess.Popen(cmd, cwd=REPO, env=cluster["env"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
