@@ -32,18 +32,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 POLICY = Path(__file__).resolve().parents[1] / "osvl" / "models" / "weights" / "tiny_policy"
 
 
-def episode(rng: random.Random, gid: int, i: int, length: int, reward: float):
-    """A policy record of about ``length`` tokens: a 300-token prompt, then turns of 60 generated tokens
-    each followed by a 240-token tool answer (the demo episodes' shape, not their text)."""
+def episode(rng: random.Random, gid: int, i: int, length: int, reward: float, prompt: int = 300, turn_len: int = 60,
+            tool: int = 240):
+    """A policy record of about ``length`` random ordinary tokens: a ``prompt``-token prompt, then turns of
+    ``turn_len`` generated tokens each followed by a ``tool``-token tool answer (by default the demo
+    episodes' shape, not their text)."""
     from osvl.agent.trajectory import Trajectory
     from osvl.models.pretrain import FIRST_ORDINARY
 
-    ids, gen, step = [rng.randrange(FIRST_ORDINARY, 3900) for _ in range(300)], [0] * 300, [-1] * 300
+    ids, gen, step = [rng.randrange(FIRST_ORDINARY, 3900) for _ in range(prompt)], [0] * prompt, [-1] * prompt
     turn = 0
     while len(ids) < length:
-        ids += [rng.randrange(FIRST_ORDINARY, 3900) for _ in range(300)]
-        gen += [1] * 60 + [0] * 240
-        step += [turn] * 60 + [-1] * 240
+        ids += [rng.randrange(FIRST_ORDINARY, 3900) for _ in range(turn_len + tool)]
+        gen += [1] * turn_len + [0] * tool
+        step += [turn] * turn_len + [-1] * tool
         turn += 1
     return Trajectory(id=f"g{gid}-{i}", question_id=f"q{gid}", group_id=f"g{gid}", kind="policy", question="",
                       answer="", answer_aliases=[], input_ids=ids, gen_mask=gen, logprobs=[0.0] * len(ids),

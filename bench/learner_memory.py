@@ -44,12 +44,13 @@ fp32 state lands in the same resident set: with it, at 2 ranks, both builds hold
 engine state, and the two paths' peaks are closer (``engine_ratio``; at 8 ranks the engine's share is a
 quarter of that).
 
-Measured (2026-12-06, 2 shared cores, 263M parameters): with the models built, old 2.84 / 2.84 GiB per rank,
-new 1.19 / 1.18 GiB: ``ratio`` 2.39 (3.0 above the libraries' 0.37 GiB); with the engine 3.73 vs 2.44 (1.53);
-after step 1 8.3 vs 5.0 (1.65). Rank 0 reads the checkpoint for every rank (transformers' ZeRO-3 load: the
-mapped bf16 file, 2 bytes a parameter, is resident while it loads); the reference is copied from the policy's
-partitions (``osvl.train.deepspeed.partitioned_copy``) instead of read again, which took rank 0 from 1.56 to
-1.19 GiB (``ratio`` 1.82 before). On a GPU host only the mapped file would remain of the new build.
+Measured (2026-12-06, 2 shared cores, 263M parameters, 8 runs): with the models built, old 2.84 GiB per rank
+every run, new 1.15-1.58 GiB (the largest rank's peak varies from run to run, on either rank; not traced):
+``ratio`` 1.80-2.40, median 1.96; with the engine 1.33-1.55; after step 1 1.55-1.65. Rank 0 reads the
+checkpoint for every rank (transformers' ZeRO-3 load: the mapped bf16 file, 2 bytes a parameter, is resident
+while it loads); the reference is copied from the policy's partitions
+(``osvl.train.deepspeed.partitioned_copy``) instead of read again, which took rank 0's peak from 1.56 to
+about 1.2-1.4 GiB. On a GPU host only the mapped file would remain of the new build.
 
 Last stdout line: JSON with ``ratio`` = the largest rank's peak with its models built on the old path over the
 same on the new (higher is better; ``ratio_above_base`` the same less each rank's peak before it built
@@ -122,25 +123,6 @@ def build_checkpoint() -> None:
     print(build_once(cache_root() / "bench" / f"qwen3_vl-memory-{key}", build), flush=True)
 
 
-def record(rng, gid: int, i: int, length: int, reward: float):
-    """A text-only policy record of about ``length`` random ordinary tokens: a 40-token prompt, then turns of
-    30 generated tokens each followed by a 20-token tool answer."""
-    from osvl.agent.trajectory import Trajectory
-    from osvl.models.pretrain import FIRST_ORDINARY
-
-    ids, gen, step = [rng.randrange(FIRST_ORDINARY, 3900) for _ in range(40)], [0] * 40, [-1] * 40
-    turn = 0
-    while len(ids) < length:
-        ids += [rng.randrange(FIRST_ORDINARY, 3900) for _ in range(50)]
-        gen += [1] * 30 + [0] * 20
-        step += [turn] * 30 + [-1] * 20
-        turn += 1
-    return Trajectory(id=f"g{gid}-{i}", question_id=f"q{gid}", group_id=f"g{gid}", kind="policy", question="",
-                      answer="", answer_aliases=[], input_ids=ids, gen_mask=gen, logprobs=[0.0] * len(ids),
-                      step_ids=step, images=[], image_max_pixels=[], processor={}, turns=[],
-                      fatal_cascade_start=-1, fatal_kth=-1, reward=reward)
-
-
 def peaks() -> tuple[int, int]:
     """This process's peak resident set: ``ru_maxrss`` and ``VmHWM``, in bytes."""
     hwm = next(int(line.split()[1]) for line in Path("/proc/self/status").read_text().splitlines()
@@ -157,6 +139,7 @@ def rank_main(path_kind: str, rank: int, port: int, model_dir: str, out: str, ti
     import torch
     import torch.distributed as dist
 
+    from bench.learner import episode
     from osvl.models.load import load_model, load_processor
     from osvl.rl.learner import Learner, RLConfig, learner_ds_config, make_engine
     from osvl.rl.learner_loop import rank_share, reference_model, rl_batch
@@ -170,7 +153,8 @@ def rank_main(path_kind: str, rank: int, port: int, model_dir: str, out: str, ti
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     cfg = RLConfig(beta=0.01, lr=1e-5, max_len=512, truncation="drop")
     rng = random.Random(0)  # the same groups on both ranks and in both builds
-    groups = [[record(rng, gid, i, rng.randrange(150, 200), float(i)) for i in range(2)] for gid in range(WORLD)]
+    groups = [[episode(rng, gid, i, rng.randrange(150, 200), float(i), prompt=40, turn_len=30, tool=20)
+               for i in range(2)] for gid in range(WORLD)]
     processor = load_processor(model_dir)
     base_rss, _ = peaks()  # the libraries, the process group and the processor: what any build starts from
     t0 = time.perf_counter()

@@ -221,21 +221,27 @@ def _two_node_rank(rank: int, tmp: str, uri: str, errors) -> None:
         errors.put(f"rank {rank}: {traceback.format_exc()}")
 
 
-def test_two_ranks_on_two_nodes_store_every_shard_and_both_resume(s3_store, tmp_path):
-    uri = f"s3://{s3_store['bucket']}/ckpt2-{tmp_path.name}/grpo/run"
+def _two_processes(target, args, timeout: float) -> None:
+    """Run ``target(*args(rank, errors))`` as ranks 0 and 1 in spawned processes; fail with what they reported
+    (a hang in a collective ends at ``timeout``)."""
     ctx = multiprocessing.get_context("spawn")
     errors = ctx.Queue()
-    procs = [ctx.Process(target=_two_node_rank, args=(r, str(tmp_path), uri, errors)) for r in (0, 1)]
+    procs = [ctx.Process(target=target, args=args(r, errors)) for r in (0, 1)]
     for p in procs:
         p.start()
     for p in procs:
-        p.join(120)
+        p.join(timeout)
         if p.is_alive():
             p.kill()
     msgs = []
     while not errors.empty():
         msgs.append(errors.get())
     assert not msgs and all(p.exitcode == 0 for p in procs), "\n".join(msgs)
+
+
+def test_two_ranks_on_two_nodes_store_every_shard_and_both_resume(s3_store, tmp_path):
+    uri = f"s3://{s3_store['bucket']}/ckpt2-{tmp_path.name}/grpo/run"
+    _two_processes(_two_node_rank, lambda r, errors: (r, str(tmp_path), uri, errors), timeout=120)
     files = _bucket_files(storage.join(uri, "checkpoints"))
     assert {f.split("/")[0] for f in files} == {"step_000002", "step_000003"}
     step3 = {f.removeprefix("step_000003/") for f in files if f.startswith("step_000003/")}
@@ -302,20 +308,8 @@ def test_zero3_ranks_on_two_nodes_checkpoint_to_the_bucket_and_resume_from_it(s3
 
     model = str(tiny_checkpoint("qwen3_vl"))  # built once, before two processes would race to build it
     uri = f"s3://{s3_store['bucket']}/zero3-{tmp_path.name}/grpo/run"
-    ctx = multiprocessing.get_context("spawn")
-    errors = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_zero3_rank, args=(r, port, str(tmp_path), uri, model, errors)) for r in (0, 1)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(400)  # a hang in a collective ends here
-        if p.is_alive():
-            p.kill()
-    msgs = []
-    while not errors.empty():
-        msgs.append(errors.get())
-    assert not msgs and all(p.exitcode == 0 for p in procs), "\n".join(msgs)
+    _two_processes(_zero3_rank, lambda r, errors: (r, port, str(tmp_path), uri, model, errors), timeout=400)
     files = _bucket_files(storage.join(uri, "checkpoints"))
     fs, path = storage.open_root(storage.join(uri, "checkpoints", "step_000001", ckpt.MARKER))
     with fs.open_input_stream(path) as f:
