@@ -237,7 +237,7 @@ def learner_steps(path05b: Path) -> dict:
     learner.step(micro)
     used = torch.cuda.max_memory_allocated()
     tokens = max(len(b["input_ids"][0]) * len(b["input_ids"]) for b, _ in micro)
-    want = sum(learner_gpu_bytes(model_shape(path05b / "config.json"), tokens, tokens, 1, 3, bf16=True,
+    want = sum(learner_gpu_bytes(model_shape(path05b / "config.json"), tokens, 1, 3, bf16=True,
                                  grad_checkpointing=True, reference=True).values())
     say(f"GRPO learner, 0.5B shape, one micro-batch of {tokens} tokens: max_memory_allocated "
         f"{used / 2**30:.2f} GiB, --check estimate {want / 2**30:.2f} GiB ({used / want:.2f} of it)")

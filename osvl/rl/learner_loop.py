@@ -153,7 +153,7 @@ def train_loop(config: dict[str, Any]) -> None:  # pragma: no mutate block
     ``config`` (from the launcher, ``osvl/rl/trainer.py``): ``rl`` (RLConfig), ``model_dir``,
     ``image_dir`` and ``run`` (the run folder: checkpoints, per-step JSONL), all three as storage
     locations (``osvl.storage``), ``buffer`` and ``store`` (actor handles), ``steps`` (total),
-    ``ckpt_every``, ``zero_stage``, ``threads``, ``learner`` (LearnerConfig: dtype, checkpointing, rehearsal),
+    ``ckpt_every``, ``learner`` (LearnerConfig: threads, ZeRO stage, dtype, checkpointing, rehearsal),
     ``weights_every``, ``temperature`` (the rollouts'
     sampling temperature).
     Every rank trains on its share of the step's groups (whole groups: the advantages
@@ -173,7 +173,8 @@ def train_loop(config: dict[str, Any]) -> None:  # pragma: no mutate block
     from osvl.train.deepspeed import hf_state_dict, hidden_size, load_trainable
 
     cfg: RLConfig = config["rl"]
-    torch.set_num_threads(config["threads"])
+    lc = config["learner"]
+    torch.set_num_threads(lc.threads_per_worker)
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     torch.manual_seed(config["seed"] + rank)
@@ -182,7 +183,6 @@ def train_loop(config: dict[str, Any]) -> None:  # pragma: no mutate block
     # the run folder as this node sees it (the driver's mirror, or a fresh one on another node)
     run_folder = storage.attach(config["run"])
     ckpt_root, log_path = run_folder / "checkpoints", run_folder / "steps.jsonl"
-    lc = config["learner"]
     rehearsal.install(lc.rehearsal, run_folder, rank)
     ds_cfg = learner_ds_config(cfg, zero_stage=lc.zero_stage, world=world,
                                bf16=lc.bf16 if lc.bf16 is not None else lc.use_gpu,

@@ -119,10 +119,10 @@ def model_shape(config_json: str | Path) -> ModelShape:
                       vocab=text.vocab_size)
 
 
-def learner_gpu_bytes(shape: ModelShape, tokens: int, gen_tokens: int, world: int, zero_stage: int, *,
+def learner_gpu_bytes(shape: ModelShape, tokens: int, world: int, zero_stage: int, *,
                       bf16: bool, grad_checkpointing: bool, reference: bool) -> dict[str, float]:
-    """Per learner GPU, in bytes, for a micro-batch of ``tokens`` (``gen_tokens`` of them scored; see the
-    module docstring)."""
+    """Per learner GPU, in bytes, for a micro-batch of ``tokens``, every one of them scored (see the module
+    docstring)."""
     p, w = shape.params, 2 if bf16 else 4
 
     def split(stage: int) -> int:
@@ -138,18 +138,18 @@ def learner_gpu_bytes(shape: ModelShape, tokens: int, gen_tokens: int, world: in
     layer = tokens * shape.hidden * 34 * w / 2  # one layer's activations at this dtype
     states["activations"] = (tokens * shape.layers * shape.hidden * w + layer if grad_checkpointing
                              else layer * shape.layers)
-    states["logits"] = gen_tokens * shape.vocab * 4.0
+    states["logits"] = tokens * shape.vocab * 4.0
     return states
 
 
-def learner_tokens(cfg: Any) -> tuple[int, int]:
-    """(tokens, scored tokens) of a learner micro-batch at its ceiling (see the module docstring)."""
+def learner_tokens(cfg: Any) -> int:
+    """Tokens of a learner micro-batch at its ceiling (see the module docstring)."""
     rl = cfg.rl
     if rl.micro_tokens:  # rows fill the budget; a row over it (at most max_len) is a micro-batch alone
         tokens = max(rl.micro_tokens, rl.max_len)
     else:  # one batch per rank: its share of the step's groups, every row at max_len
         tokens = -(-cfg.train.groups_per_step // cfg.learner.num_workers) * rl.group_size * rl.max_len
-    return tokens, tokens
+    return tokens
 
 
 def check(cfg: Any, shape: ModelShape, nodes: list[NodeType], out: Any = print) -> list[str]:
@@ -213,8 +213,8 @@ def check(cfg: Any, shape: ModelShape, nodes: list[NodeType], out: Any = print) 
         if lc.num_workers > most:
             problems.append(f"learner: {lc.num_workers} workers need {lc.num_workers} GPUs on one node; the largest "
                             f"learner node type has {most}")
-        tokens, gen = learner_tokens(cfg)
-        need = learner_gpu_bytes(shape, tokens, gen, lc.num_workers, lc.zero_stage, bf16=bf16,
+        tokens = learner_tokens(cfg)
+        need = learner_gpu_bytes(shape, tokens, lc.num_workers, lc.zero_stage, bf16=bf16,
                                  grad_checkpointing=lc.grad_checkpointing, reference=rl.beta > 0)
         gpu = min(n.gpu_gb for n in hosts) * GB
         out(f"  micro-batch ceiling: {tokens} tokens")

@@ -275,8 +275,7 @@ def train(parts: GRPOParts, model_dir: str | Path, questions: list[dict[str, Any
 
     loop_config = {"rl": parts.rl, "model_dir": where["model"], "image_dir": where["images"], "buffer": buffer,
                    "store": store, "steps": tc.steps, "run": storage.location(out),
-                   "ckpt_every": tc.ckpt_every, "keep": tc.keep, "zero_stage": parts.learner.zero_stage,
-                   "threads": parts.learner.threads_per_worker,
+                   "ckpt_every": tc.ckpt_every, "keep": tc.keep,
                    "weights_every": tc.weights_every, "seed": parts.run.seed,
                    "temperature": parts.rollout.agent.temperature, "recorder": rec,
                    "max_staleness": tc.max_staleness, "learner": parts.learner}

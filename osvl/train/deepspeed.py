@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -126,6 +127,23 @@ class _Zero3:
         return True
 
 
+@contextmanager
+def _zero3_build(config: dict[str, Any]) -> Iterator[None]:
+    """Models built inside are partitioned as they are created (transformers' ``zero.Init`` path).
+
+    transformers finds the config through a module-level weak reference (what its HfDeepSpeedConfig
+    registers, which also demands accelerate; the two methods it reads are ``_Zero3``'s); it is unset on
+    the way out, so a later load in this process (a ZeRO-2 engine, an evaluation) is not partitioned."""
+    from transformers.integrations.deepspeed import set_hf_deepspeed_config, unset_hf_deepspeed_config
+
+    marker = _Zero3(config)
+    set_hf_deepspeed_config(marker)
+    try:
+        yield
+    finally:
+        unset_hf_deepspeed_config()
+
+
 def load_trainable(model_dir: str | Path, config: dict[str, Any], *, grad_checkpointing: bool = False,
                    frozen: bool = False) -> Any:
     """The model as ``config`` will run it: bf16 when its ``bf16`` is on (DeepSpeed keeps fp32 master weights
@@ -139,22 +157,13 @@ def load_trainable(model_dir: str | Path, config: dict[str, Any], *, grad_checkp
     keeps one layer's activations instead of every layer's. ``frozen``: no parameter needs a
     gradient (the reference model).
     """
-    from transformers.integrations.deepspeed import set_hf_deepspeed_config, unset_hf_deepspeed_config
-
     from osvl.models.load import load_model
 
     dtype = "bfloat16" if config.get("bf16", {}).get("enabled") else "float32"
     if config["zero_optimization"]["stage"] == 3:
         init_process_group()
-        # transformers finds the config through a module-level weak reference while it builds the model (what
-        # its HfDeepSpeedConfig registers, which also demands accelerate; the two methods it reads are these);
-        # unset right after, so a later load in this process (a ZeRO-2 engine, an evaluation) is not partitioned
-        marker = _Zero3(config)
-        set_hf_deepspeed_config(marker)
-        try:
+        with _zero3_build(config):
             model = load_model(model_dir, dtype=dtype, device=None)
-        finally:
-            unset_hf_deepspeed_config()
     else:
         model = load_model(model_dir, dtype=dtype)
     model.config.use_cache = False
@@ -172,14 +181,8 @@ def partitioned_copy(model: Any, config: dict[str, Any]) -> Any:
     then each rank's partition of each weight copied from ``model``'s (the two split every weight the same
     way). The reference model starts as the policy: a second read would hold the checkpoint's mapped file
     on rank 0 a second time beside both models' partitions (``bench/learner_memory.py``), and cost the read."""
-    from transformers.integrations.deepspeed import set_hf_deepspeed_config, unset_hf_deepspeed_config
-
-    marker = _Zero3(config)
-    set_hf_deepspeed_config(marker)
-    try:
+    with _zero3_build(config):
         copy = type(model)._from_config(model.config, dtype=next(model.parameters()).dtype)
-    finally:
-        unset_hf_deepspeed_config()
     theirs = dict(copy.named_parameters())
     for name, p in model.named_parameters():
         q = theirs.pop(name)
