@@ -44,13 +44,14 @@ fp32 state lands in the same resident set: with it, at 2 ranks, both builds hold
 engine state, and the two paths' peaks are closer (``engine_ratio``; at 8 ranks the engine's share is a
 quarter of that).
 
-Measured (2026-12-06, 2 shared cores, 263M parameters, 8 runs): with the models built, old 2.84 GiB per rank
-every run, new 1.15-1.58 GiB (the largest rank's peak varies from run to run, on either rank; not traced):
-``ratio`` 1.80-2.40, median 1.96; with the engine 1.33-1.55; after step 1 1.55-1.65. Rank 0 reads the
-checkpoint for every rank (transformers' ZeRO-3 load: the mapped bf16 file, 2 bytes a parameter, is resident
-while it loads); the reference is copied from the policy's partitions
-(``osvl.train.deepspeed.partitioned_copy``) instead of read again, which took rank 0's peak from 1.56 to
-about 1.2-1.4 GiB. On a GPU host only the mapped file would remain of the new build.
+Measured (2026-12-06, 263M parameters, 4 runs with nothing else on the 2 cores; load 1.2-2.4, the bench's
+own two ranks): with the models built, old 2.83 GiB per rank every run, new 1.23-1.60 GiB (the largest rank's
+peak varies from run to run, on either rank): ``ratio`` 2.00, 1.78, 1.77, 1.78; with the engine 1.31-1.44;
+after step 1 1.53-1.57. Rank 0 reads the checkpoint for every rank (transformers' ZeRO-3 load: the mapped bf16
+file, 2 bytes a parameter, is resident while it loads); the reference is copied from the policy's partitions
+(``osvl.train.deepspeed.partitioned_copy``) instead of read again. The run-to-run spread is freed heap glibc
+keeps: ``malloc_trim(0)`` after the policy load took a rank's current RSS from 0.95 to 0.68 GiB (zero.Init
+allocates each parameter whole, then partitions it; on a GPU that is the CUDA allocator's, not the host's).
 
 Last stdout line: JSON with ``ratio`` = the largest rank's peak with its models built on the old path over the
 same on the new (higher is better; ``ratio_above_base`` the same less each rank's peak before it built
