@@ -44,14 +44,16 @@ fp32 state lands in the same resident set: with it, at 2 ranks, both builds hold
 engine state, and the two paths' peaks are closer (``engine_ratio``; at 8 ranks the engine's share is a
 quarter of that).
 
-Measured (2026-12-06, 263M parameters, 4 runs with nothing else on the 2 cores; load 1.2-2.4, the bench's
-own two ranks): with the models built, old 2.83 GiB per rank every run, new 1.23-1.60 GiB (the largest rank's
-peak varies from run to run, on either rank): ``ratio`` 2.00, 1.78, 1.77, 1.78; with the engine 1.31-1.44;
-after step 1 1.53-1.57. Rank 0 reads the checkpoint for every rank (transformers' ZeRO-3 load: the mapped bf16
-file, 2 bytes a parameter, is resident while it loads); the reference is copied from the policy's partitions
-(``osvl.train.deepspeed.partitioned_copy``) instead of read again. The run-to-run spread is freed heap glibc
-keeps: ``malloc_trim(0)`` after the policy load took a rank's current RSS from 0.95 to 0.68 GiB (zero.Init
-allocates each parameter whole, then partitions it; on a GPU that is the CUDA allocator's, not the host's).
+Measured (2026-12-06, 263M parameters, 3 runs with nothing else on the 2 cores; load 2.2-2.4, the bench's
+own two ranks): with the models built, old 2.83 GiB per rank every run, new 1.155 GiB on rank 0 and 0.924 on
+rank 1 every run: ``ratio`` 2.453, 2.454, 2.454; with the engine 1.96 GiB (``engine_ratio`` 1.90-1.97);
+after step 1 ``step1_ratio`` 1.48-1.70. Rank 0 reads the checkpoint for every rank (transformers' ZeRO-3
+load: the mapped bf16 file, 2 bytes a parameter, is resident while it loads); the reference is copied from
+the policy's partitions (``osvl.train.deepspeed.partitioned_copy``) instead of read again. glibc's
+allocator matters here: with its mmap threshold left to rise, the layers each build frees once split
+stayed resident as heap holes and the new build peaked at 1.23-1.60 GiB (ratio 1.77-2.00), so
+``_zero3_build`` fixes the threshold while it builds (docs/measurements.md); the old build's 2.83 GiB does not
+move under the same setting.
 
 Last stdout line: JSON with ``ratio`` = the largest rank's peak with its models built on the old path over the
 same on the new (higher is better; ``ratio_above_base`` the same less each rank's peak before it built
