@@ -101,6 +101,13 @@ def test_killed_rollout_actor_groups_are_reissued_and_accounted_once(questions_d
         assert v["state"] in ("consumed", "dropped"), (g, v)
         assert v["state"] != "dropped" or v["reason"], (g, v)
     assert len(ledger) == 6  # 3 steps x 2 groups, none issued twice under another id
+    # versions went over the weight group (the default transport), the replacement caught up from the object
+    # store and then joined a rebuilt group, and every live engine holds the learner's last version bit for bit
+    sent = rows[-1]["weights"]
+    assert sent["rebuilds"] >= 2 and sent["sha256"], sent
+    (new,) = [a for a in result["actors"] if a["alive"]]
+    assert new["actor"] == "rollout0~1" and new["weights_sha256"] == sent["sha256"], (new, sent)
+    assert new["weights"]["versions_stored"] >= 1 and new["weights"]["versions_group"] >= 1, new["weights"]
     # the last step is a checkpoint: the training curves (reward parts, fatal rate, clamp split, KL,
     # entropy) are drawn into the run folder
     from PIL import Image
@@ -121,7 +128,7 @@ def test_rollout_actor_fails_when_a_weight_update_cannot_be_applied(questions_di
     from osvl.models.tiny import tiny_checkpoint
     from osvl.rl.buffer import TrajectoryBuffer
     from osvl.rl.rollout import RolloutWorker
-    from osvl.rl.weights import WeightStore, publish
+    from osvl.rl.weights import WeightStore
 
     buffer = ray.remote(TrajectoryBuffer).options(num_cpus=0).remote(2, 1, 2, 1, 0, 3)
     store = ray.remote(WeightStore).options(num_cpus=0).remote()
@@ -130,7 +137,8 @@ def test_rollout_actor_fails_when_a_weight_update_cannot_be_applied(questions_di
         read_questions(questions_dir / "rl.parquet"), str(questions_dir / "images"),
         str(questions_dir / "work_images"), buffer, store, 2)
     try:
-        publish(store, {"no_such.weight": torch.zeros(3)}, 0)
+        # the object store's version (the catch-up path): one bucket of one tensor
+        ray.get(store.publish.remote(0, [[("no_such.weight", (3,))]], "float32", [[ray.put(torch.zeros(3))]]))
         with pytest.raises(ray.exceptions.RayTaskError, match="weight sync failed.*no_such.weight"):
             ray.get(actor.run.remote(), timeout=120)  # a hang would end in GetTimeoutError instead
     finally:

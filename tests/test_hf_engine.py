@@ -214,6 +214,39 @@ def test_greedy_is_deterministic_and_weight_updates_change_it():
     eng.close()
 
 
+def test_a_version_lands_between_steps_and_the_turn_keeps_its_oldest(engine):
+    """An update does not wait for the turns in flight: it is applied between two decoding steps, the
+    turn goes on with the new weights, and its result carries the version it started with (the oldest
+    that sampled it). A stream of buckets is applied whole before any step runs again."""
+    import threading
+    import time
+
+    ids = engine.tokenizer("The animal shown lives in")["input_ids"]
+    req = GenRequest(list(ids), [], [], Sampling(temperature=0.0, max_new_tokens=200, stop_token_ids=[-1]))
+    start = engine.version
+    same = {k: v.clone() for k, v in engine.model.state_dict().items()}  # the same weights: outputs unchanged
+    names = list(same)
+    buckets = [{k: same[k] for k in names[: len(names) // 2]}, {k: same[k] for k in names[len(names) // 2:]}]
+    steps_at: list[int] = []
+
+    def update_mid_turn() -> None:
+        while engine.stats["steps"] < steps0 + 5:  # the turn is decoding
+            time.sleep(0.001)
+        steps_at.append(engine.stats["steps"])
+        engine.update_weights(iter(buckets), version=start + 1)
+        steps_at.append(engine.stats["steps"])
+
+    steps0 = engine.stats["steps"]
+    t = threading.Thread(target=update_mid_turn)
+    t.start()
+    res = asyncio.run(engine.generate(req))
+    t.join()
+    assert len(res.token_ids) == 200  # the turn was not cut
+    assert res.version == start and engine.version == start + 1
+    assert steps_at[1] - steps_at[0] <= 2  # applied within a step or two of the request, not after the turn
+    assert engine.stats["steps"] - steps0 > steps_at[1] - steps0  # decoding went on after the update
+
+
 def test_a_tied_model_takes_the_state_dict_a_learner_sends(tmp_path):
     """A tied model's state dict names lm_head.weight, which its default parameter list leaves out: the update
     must take it (the rollout of a policy fine-tuned from jobs/pretrain_tiny.py waited forever on this)."""

@@ -230,34 +230,61 @@ def test_tensor_parallel_2_gives_the_greedy_turn_of_one_rank_and_takes_updates_o
 
 
 def test_engine_serves_and_updates_inside_a_ray_actor(engines, ray_cluster):
-    """A rollout actor holds the engine; weights arrive through the object store, as in GRPO on CPU."""
+    """A rollout actor holds the engine and its weight receiver (``osvl.rl.weights.Receiver``), as in GRPO; this
+    process is the learner. A version over the weight group (gloo here, NCCL on GPUs) and the same weights
+    through the object store give the same greedy turn, the HF engine's with those weights."""
     import ray
+
+    from osvl.rl.weights import Publisher, WeightStore
 
     _, h = engines
 
     @ray.remote(num_cpus=1)
     class Rollout:
-        def __init__(self, path: str) -> None:
+        def __init__(self, path: str, store) -> None:
             # built as rollout actors build theirs (osvl/rl/rollout.py): make_engine with the shared options
             self.engine = make_engine("vllm", path, max_batch=4, version=-1, vllm=VLLMOptions(kv_cache_gb=1),
                                       episode_tokens=1024)
+            self.store = store
+
+        async def start(self) -> None:
+            from osvl.rl.weights import Receiver
+
+            self.receiver = Receiver(self.store, "rollout0", ray.get_runtime_context().current_actor, self.engine,
+                                     poll_s=1.0)
+            self.task = asyncio.create_task(self.receiver.run(lambda seconds: None))
+
+        async def at(self, version: int) -> dict:
+            while self.engine.version != version and not self.task.done():
+                await asyncio.sleep(0.05)
+            return {"version": self.engine.version, **self.receiver.stats,
+                    "failed": repr(self.task.exception()) if self.task.done() else ""}
 
         async def generate(self, req: GenRequest):
             return await self.engine.generate(req)
 
-        def update(self, state_dict, version: int) -> int:
-            self.engine.update_weights(state_dict, version)
-            return self.engine.version
+        def pid(self) -> int:
+            return os.getpid()
 
     path = str(tiny_checkpoint("qwen3_vl"))
-    actor = Rollout.remote(path)
+    store = ray.remote(WeightStore).options(num_cpus=0).remote()
+    actor = Rollout.remote(path, store)
+    ray.get(actor.start.remote(), timeout=300)
+    while not ray.get(store.roster.remote())[0]:
+        pass
     b = _episode(h.processor, [_image(6, (90, 140))], "Who built it?", [None])
     greedy = Sampling(temperature=0.0, max_new_tokens=10)
     gen = torch.Generator().manual_seed(7)
     new = {k: t + 0.05 * torch.randn(t.shape, generator=gen) for k, t in h.model.state_dict().items()}
-    assert ray.get(actor.update.remote(ray.put(new), 5), timeout=300) == 5
-    h.update_weights(new, version=5)
-    got = ray.get(actor.generate.remote(_request(b, greedy)), timeout=300)
+    h.update_weights(new, version=5)  # the learner's weights: the HF engine's model after this update
     (ref,) = _run(h.generate(_request(b, greedy)))
-    assert got.token_ids == ref.token_ids
+    outs = {}
+    for version, transport in ((5, "collective"), (6, "object_store")):
+        Publisher(store, transport, 0, bucket_bytes=2**20, timeout_s=60).push(h.model, version)
+        state = ray.get(actor.at.remote(version), timeout=300)
+        assert state["version"] == version and not state["failed"], state
+        outs[transport] = ray.get(actor.generate.remote(_request(b, greedy)), timeout=300).token_ids
+        assert state["versions_group" if transport == "collective" else "versions_stored"] == 1, state
+    assert outs["collective"] == outs["object_store"] == ref.token_ids
     ray.kill(actor)
+    ray.kill(store)

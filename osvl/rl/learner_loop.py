@@ -168,9 +168,10 @@ def train_loop(config: dict[str, Any]) -> None:  # pragma: no mutate block
     from osvl import storage
     from osvl.models.load import load_processor
     from osvl.rl import checkpoint as ckpt
-    from osvl.rl.weights import publish
+    from osvl.rl.weights import Publisher
     from osvl.train import rehearsal
-    from osvl.train.deepspeed import hf_state_dict, hidden_size, load_trainable
+    from osvl.train.deepspeed import hidden_size, load_trainable
+    from osvl.train.device import all_reduce
 
     cfg: RLConfig = config["rl"]
     lc = config["learner"]
@@ -188,6 +189,9 @@ def train_loop(config: dict[str, Any]) -> None:  # pragma: no mutate block
                                bf16=lc.bf16 if lc.bf16 is not None else lc.use_gpu,
                                hidden_size=hidden_size(model_dir), on_gpu=lc.use_gpu)
     model = load_trainable(model_dir, ds_cfg, grad_checkpointing=lc.grad_checkpointing)
+    if lc.freeze_vision:  # trained on the language model only; versions then leave the vision tower out
+        for p in model.model.visual.parameters():
+            p.requires_grad_(False)
     processor = load_processor(model_dir)
     ref = reference_model(model_dir, cfg, ds_cfg, policy=model)
     engine = make_engine(model, cfg, config=ds_cfg)
@@ -214,12 +218,30 @@ def train_loop(config: dict[str, Any]) -> None:  # pragma: no mutate block
     if ctx.get_local_rank() == 0:  # a remote run root holds the checkpoints: this node's copies are a cache
         ckpt.drop_local(ckpt_root)
 
-    def push(version: int) -> float:
-        state = hf_state_dict(engine)  # a collective under ZeRO-3: every rank calls it
-        secs = publish(store, state, version) if rank == 0 else 0.0
+    publisher = Publisher(store, lc.weights, rank, bucket_bytes=int(lc.weights_bucket_mb * 2**20),
+                          timeout_s=lc.weights_timeout_s)
+    pushed = learner.step_count
+
+    def push(version: int, last: bool = False) -> float:
+        nonlocal pushed
+        # every rank: under ZeRO-3 each bucket is a gather; the last version's bytes are hashed (the step
+        # row's weights_sha256), which the launcher compares with every engine's
+        secs = publisher.push(engine, version, with_digest=last)
+        pushed = version
         if rank == 0:
             ray.get(buffer.advance.remote(version))
         return secs
+
+    def take(step: int) -> list:
+        """The step's groups; meanwhile, every few seconds, the newest version into the object store for an
+        actor that asked (a restarted one: without it, it and this loop could wait for each other)."""
+        ref = buffer.take.remote(step)
+        while True:
+            ready, _ = ray.wait([ref], timeout=CATCHUP_POLL_S)
+            waiting = all_reduce(torch.tensor([0 if ready else 1]), op="max").item()  # every rank polls alike
+            publisher.catch_up(engine, pushed)
+            if not waiting:
+                return ray.get(ref)
 
     sync_s = push(learner.step_count)
     if rank == 0:
@@ -229,7 +251,7 @@ def train_loop(config: dict[str, Any]) -> None:  # pragma: no mutate block
         while learner.step_count + learner.skipped < config["steps"]:
             step = learner.step_count + learner.skipped
             t_wait = time.perf_counter()
-            groups = ray.get(buffer.take.remote(step))
+            groups = take(step)
             wait_s = time.perf_counter() - t_wait
             share = rank_share(groups, rank, world, cfg)
             if share is not None:
@@ -242,7 +264,7 @@ def train_loop(config: dict[str, Any]) -> None:  # pragma: no mutate block
                 learner.skipped += 1
                 res = None
             if (step + 1) % config["weights_every"] == 0 or step + 1 == config["steps"]:
-                sync_s = push(learner.step_count + learner.skipped)
+                sync_s = push(learner.step_count + learner.skipped, last=step + 1 == config["steps"])
             if (step + 1) % config["ckpt_every"] == 0 or step + 1 == config["steps"]:
                 if world > 1:
                     dist.barrier()
@@ -251,6 +273,8 @@ def train_loop(config: dict[str, Any]) -> None:  # pragma: no mutate block
                           keep=config["keep"], local_rank=ctx.get_local_rank())
             if rank == 0:
                 row = step_row(step, groups, res, wait_s, sync_s, ray.get(buffer.stats.remote()))
+                row["weights"] = dict(publisher.stats)  # counters; sha256 on the last step
+                publisher.stats.pop("sha256", None)
                 log.write(json.dumps(row) + "\n")
                 log.flush()
                 storage.publish(run_folder, "steps.jsonl")
@@ -262,6 +286,7 @@ def train_loop(config: dict[str, Any]) -> None:  # pragma: no mutate block
             log.close()
 
 
+CATCHUP_POLL_S = 2.0  # how often a learner waiting for groups looks for an actor that needs a catch-up
 CURVES = "curves.png"  # the training curves, redrawn at each checkpoint (osvl/plots.py)
 CURVE_PANELS = [("reward parts", ["reward", "r_fmt", "r_acc", "r_query"]), ("fatal rate", ["fatal_rate"]),
                 ("clamp split (fatal rows)", ["clamped", "kept_positive"]), ("KL to the reference", ["kl"]),

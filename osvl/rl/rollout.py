@@ -10,10 +10,9 @@ several groups times G episodes in flight, the engine batches the turns of
 whichever episodes are waiting for the model while the others wait for tools,
 which is where the asynchronous design gets its throughput.
 
-Weights arrive in the background: a task long-polls the ``WeightStore`` and
-applies each newer version between generation batches (the engine's lock keeps a
-batch and an update from overlapping), so every turn records the version that
-sampled it.
+Weights arrive in the background (``osvl.rl.weights.Receiver``): over the learner's weight group,
+or from the object store to catch up, applied between two engine steps; every turn records the
+version it started with (the oldest that sampled it), which the staleness accounting counts.
 
 Tools go through Ray Serve deployment handles (``tools=handle``) on a cluster, or
 run in the actor's own process (``inprocess``, the single-machine default).
@@ -29,7 +28,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import importlib.util
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -219,24 +217,26 @@ class RolloutWorker:
     # -- weights --------------------------------------------------------------
 
     async def _sync_weights(self) -> None:
-        """Background: apply every newer published version (long-poll, no busy loop)."""
-        while True:
-            version, ref = await self.store.wait_newer.remote(self.engine.version, self.cfg.weight_poll_s)
-            if version < 0:
-                continue
-            self.newest_seen = max(self.newest_seen, version)
-            t0 = time.perf_counter()
-            state = await ref[0]
-            await asyncio.to_thread(self.engine.update_weights, state, version)
-            del state
+        """Background: apply every version sent to this actor (``osvl.rl.weights.Receiver``)."""
+        import ray
+
+        from osvl.rl.weights import Receiver
+
+        self.receiver = Receiver(self.store, self.id, ray.get_runtime_context().current_actor, self.engine,
+                                 self.cfg.weight_poll_s)
+
+        def applied(seconds: float) -> None:
+            self.newest_seen = max(self.newest_seen, self.receiver.newest_seen)
             self.stats.weight_updates += 1
-            self.stats.weight_sync_s += time.perf_counter() - t0
+            self.stats.weight_sync_s += seconds
             if self.rec is not None:
                 from osvl.metrics import ENGINE_WEIGHT_UPDATE
 
-                self.rec.observe(ENGINE_WEIGHT_UPDATE, time.perf_counter() - t0)
+                self.rec.observe(ENGINE_WEIGHT_UPDATE, seconds)
             self._version_event.set()
             self._version_event = asyncio.Event()
+
+        await self.receiver.run(applied)
 
     async def _at_least(self, version: int) -> None:
         while self.engine.version < version:
@@ -321,11 +321,21 @@ class RolloutWorker:
                 self._record_engine()  # the last figures (in flight back to 0)
         return self.get_stats()
 
-    def get_stats(self) -> dict[str, Any]:
-        """The actor's counters, and what its engine says of itself: which engine, its interpreter, its counters."""
+    def get_stats(self, with_digest: bool = False) -> dict[str, Any]:
+        """The actor's counters, and what its engine says of itself: which engine, its interpreter, its counters;
+        ``with_digest``: also ``weights_sha256``, the hash of the engine's weights that the last version it
+        received names (``osvl.rl.weights.digest``; HF engine only: vLLM renames and fuses them)."""
         import sys
 
-        return {"actor": self.id, "version": self.engine.version, "engine": type(self.engine).__name__,
+        receiver = getattr(self, "receiver", None)
+        extra = {}
+        if with_digest and hasattr(self.engine, "model") and receiver is not None:
+            from osvl.rl.weights import digest
+
+            params = dict(self.engine.model.named_parameters())
+            extra["weights_sha256"] = digest([(k, params[k]) for k in receiver.names])
+        return {**extra, "actor": self.id, "version": self.engine.version, "engine": type(self.engine).__name__,
+                "weights": dict(receiver.stats) if receiver is not None else {},
                 "python": sys.executable, "model": str(getattr(self.engine, "path", "")),
                 "engine_stats": dict(getattr(self.engine, "stats", {})),
                 **self.stats.__dict__}

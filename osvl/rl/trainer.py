@@ -63,9 +63,17 @@ class LearnerConfig:
                                       "recorded; the plant_* values are the rehearsal's self-test.", hashed=False)
     max_failures: int = opt(1, "Ray Train restarts of a failed learner worker group (resumes from the checkpoint).",
                             hashed=False)
-    weights: Literal["object_store", "nccl"] = opt(
-        "object_store", "How weights reach the rollout actors: object_store (CPU and GPU, any engine) or nccl (GPU "
-        "broadcast into vLLM; not implemented yet).", hashed=False)
+    weights: Literal["collective", "object_store"] = opt(
+        "collective", "How versions reach the rollout engines (osvl/rl/weights.py): collective = broadcast over a "
+        "group of learner rank 0 and every engine (NCCL on GPUs, gloo on CPU), rebuilt when an engine comes or "
+        "goes; object_store = each version put into Ray's object store (the catch-up path either way).",
+        hashed=False)
+    weights_bucket_mb: float = opt(256.0, "Largest bucket of a streamed version, MiB in the engines' dtype: learner "
+                                          "rank 0 holds about two at a time.", hashed=False)
+    weights_timeout_s: float = opt(30.0, "How long a weight-group rendezvous or broadcast may wait for a member "
+                                         "before the group is rebuilt without it.", hashed=False)
+    freeze_vision: bool = opt(False, "Train the language model only: the vision tower stays as loaded (and "
+                                     "versions leave it out; the engines load it from the same checkpoint).")
 
 
 @dataclass
@@ -326,6 +334,7 @@ def final_actor_stats(monitor: Monitor, version: int, timeout_s: float) -> list[
     while True:
         stats = {n: ray.get(a.get_stats.remote(), timeout=30) for n, a in live.items()}
         if all(s["version"] >= version for s in stats.values()) or time.monotonic() > deadline:
+            stats = {n: ray.get(a.get_stats.remote(with_digest=True), timeout=120) for n, a in live.items()}
             break
         time.sleep(0.5)
     return [{**s, "alive": True} for s in stats.values()] + [

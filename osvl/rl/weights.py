@@ -1,121 +1,165 @@
-"""Versioned policy weights from the learner to the rollout actors.
+"""Versioned policy weights from the learner to the rollout engines: streamed bucket by bucket, in the
+rollout dtype, trainable parameters only.
 
-The learner publishes after every optimiser step; rollout actors apply the newest
-version between generation batches (``TokenEngine.update_weights``), so a turn's
-``policy_version`` says exactly which weights sampled it.
+A version is a sequence of *buckets*: consecutive trainable parameters, gathered (under ZeRO-3 every
+learner rank takes part in each gather; no rank ever holds the whole model), cast to the dtype the
+engines run in and flattened into one tensor of at most ``bucket_bytes``. Learner rank 0 holds one
+gathered bucket and its flat copy at a time: its extra memory is about two buckets, whatever the model.
+A frozen vision tower (``learner.freeze_vision``) never travels: engines load it from the same
+checkpoint the learner starts from.
 
-Transport, by config (``transport``):
+Transports (``learner.weights``):
 
-* ``object_store`` (default, CPU and any engine): rank 0 puts the full state dict
-  into Ray's object store once per version; every actor fetches it by reference
-  (zero-copy on the same node: Ray's plasma store is shared memory). The store
-  keeps only the newest reference, so old versions are freed as soon as no actor
-  holds them. This path feeds the HF engine and vLLM's ``update_weights`` alike.
-* ``nccl`` (GPU): a broadcast from the learner's rank 0 into the engines over a
-  ``WeightGroup``: a torch.distributed process group of its own (rank 0 the learner,
-  ranks 1..n the engines), apart from the learner's training group, built from a
-  ``TCPStore`` on rank 0's node, so it spans nodes. The same class runs on ``gloo``
-  over CPU tensors, which is how a CPU test drives the real broadcast path. The
-  trainer does not select it yet (rollout actors are restarted one by one, and a
-  process group cannot take a new member): choosing it fails fast with a
-  ``ConfigError`` rather than silently falling back.
-* CUDA IPC (learner and engine on one GPU): ``cuda_ipc_handles`` turns GPU tensors
-  into picklable handles that another process on the same GPU maps without a copy
-  (``from_cuda_ipc``); ``bench/gpu_check.sh`` times it against a CPU copy.
+* ``collective`` (default): a broadcast from learner rank 0 into every engine over a ``WeightGroup``, a
+  process group of its own (NCCL on GPUs, gloo on CPU: the same code). Membership lives in the
+  ``WeightStore`` actor: each rollout actor joins it; before each version rank 0 checks who is alive and,
+  when that changed, opens a new *epoch* (a fresh group on a fresh port) that everyone alive rebuilds. A
+  broadcast that fails (an engine died in the middle) is retried on a rebuilt group; a new learner
+  (Ray Train restarted it) simply opens the next epoch. Engines apply each bucket as it arrives between
+  their engine steps (generation pauses for the version, the turns in flight are not drained: a turn
+  that spans two versions records the oldest, each token keeps the log-prob it was sampled with).
+* ``object_store``: rank 0 puts each bucket into Ray's object store and announces the references; actors
+  fetch them one by one. It is the fallback (engines that cannot join a group) and the *catch-up* path:
+  an actor that joins behind the newest version (a restarted one) asks for it, and the learner, which
+  polls while it waits for groups, puts the newest version there once; the actor then joins the next
+  rebuild. Without that, a run whose only actor restarted would wait forever: the actor for weights, the
+  learner for its groups.
+* CUDA IPC (learner and engine on one GPU): ``cuda_ipc_handles`` turns GPU tensors into picklable
+  handles that another process on the same GPU maps without a copy (``from_cuda_ipc``);
+  ``bench/gpu_check.py`` times it.
 
-``WeightStore`` is a small async Ray actor: ``publish`` from the learner,
-``wait_newer`` long-polled by the actors (no busy polling, no push fan-out from
-the learner's critical path).
+``bench/weight_sync.py`` measures the streamed versions against the whole-state-dict path they replace.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import math
 import time
+from collections.abc import Iterator
 from typing import Any
 
-from osvl.errors import ConfigError
+import torch
 
-TRANSPORTS = ("object_store", "nccl")
-PARAMS_PER_BROADCAST = 2**26
-"""Elements per flat broadcast (256 MB in fp32): fewer, larger collectives than one per tensor, and a
-bounded extra buffer on both sides."""
+from osvl.errors import ConfigError, EngineError
+
+TRANSPORTS = ("collective", "object_store")
+BUCKET_BYTES = 256 * 2**20
+"""Bytes per bucket in the rollout dtype: fewer, larger collectives than one per tensor, and a bounded
+extra buffer on both sides."""
+
+Meta = list[tuple[str, tuple[int, ...]]]  # (name, shape) per tensor of a bucket, in order
 
 
 def check_transport(transport: str) -> None:
     if transport not in TRANSPORTS:
-        raise ConfigError(f"weights.transport must be one of {TRANSPORTS}, got {transport!r}")
-    if transport == "nccl":
-        raise ConfigError("weights.transport=nccl: the broadcast (WeightGroup) exists but the trainer does not "
-                          "use it yet (a restarted rollout actor cannot join a running group); use object_store, "
-                          "which also feeds vLLM's update_weights")
-
-
-class WeightStore:
-    """Newest published (version, object ref) pair; actors long-poll for a newer one."""
-
-    def __init__(self) -> None:
-        self.version = -1
-        self.ref: list[Any] = []   # [ObjectRef]: wrapped in a list so Ray passes the reference, not the value
-        self.published_at = 0.0
-        self._cond: asyncio.Condition | None = None
-
-    @property
-    def cond(self) -> asyncio.Condition:
-        if self._cond is None:
-            self._cond = asyncio.Condition()
-        return self._cond
-
-    async def publish(self, version: int, ref: list[Any]) -> None:
-        async with self.cond:
-            if version <= self.version:
-                return  # a restarted learner republishing an old version must not roll actors back
-            self.version, self.ref, self.published_at = version, ref, time.time()
-            self.cond.notify_all()
-
-    async def wait_newer(self, version: int, timeout: float = 30.0) -> tuple[int, list[Any]]:
-        """(version, [ref]) of the newest weights once newer than ``version``; (-1, []) on timeout."""
-        async with self.cond:
-            try:
-                await asyncio.wait_for(self.cond.wait_for(lambda: self.version > version), timeout)
-            except TimeoutError:
-                return -1, []
-            return self.version, self.ref
-
-    def latest_version(self) -> int:
-        return self.version
-
-
-def publish(store: Any, state_dict: dict, version: int) -> float:
-    """Put ``state_dict`` into the object store and announce it; returns the seconds it took (a metric)."""
-    import ray
-
-    t0 = time.perf_counter()
-    cpu = {k: v.detach().to("cpu") for k, v in state_dict.items()}
-    ref = ray.put(cpu)
-    ray.get(store.publish.remote(version, [ref]))
-    return time.perf_counter() - t0
+        raise ConfigError(f"learner.weights must be one of {TRANSPORTS}, got {transport!r}")
 
 
 # ---------------------------------------------------------------------------
-# transports beside the object store
+# what a version is: buckets
+
+
+def _full_shape(p: torch.nn.Parameter) -> tuple[int, ...]:
+    return tuple(getattr(p, "ds_shape", p.shape))  # a ZeRO-3 partitioned parameter's own shape is empty
+
+
+def plan_buckets(model: torch.nn.Module, dtype: torch.dtype, bucket_bytes: int = BUCKET_BYTES) -> list[Meta]:
+    """The trainable parameters of ``model`` (a module or a DeepSpeed engine) in buckets of at most
+    ``bucket_bytes`` in ``dtype`` (a larger tensor goes alone). Every learner rank computes the same plan
+    from shapes alone, and receivers get it before any byte: it is the version's metadata."""
+    size = torch.tensor([], dtype=dtype).element_size()
+    buckets: list[Meta] = []
+    used = 0
+    for name, p in _module(model).named_parameters():
+        if not p.requires_grad:
+            continue
+        shape = _full_shape(p)
+        n = math.prod(shape) * size
+        if not buckets or used + n > bucket_bytes:
+            buckets.append([])
+            used = 0
+        buckets[-1].append((name, shape))
+        used += n
+    return buckets
+
+
+def _module(model: Any) -> torch.nn.Module:
+    return getattr(model, "module", model)  # a DeepSpeed engine wraps the model
+
+
+def stream_buckets(model: Any, plan: list[Meta], dtype: torch.dtype, rank: int) -> Iterator[torch.Tensor | None]:
+    """Each bucket of ``plan`` as one flat ``dtype`` tensor on the parameters' device (rank 0; ``None``
+    elsewhere). Under ZeRO-3 every learner rank must iterate in step: each bucket is a gather."""
+    params = dict(_module(model).named_parameters())
+    for bucket in plan:
+        ps = [params[name] for name, _ in bucket]
+        with _gathered(ps):
+            if rank != 0:
+                yield None
+                continue
+            flat = torch.empty(sum(p.numel() for p in ps), dtype=dtype, device=ps[0].device)
+            offset = 0
+            for p in ps:
+                flat[offset:offset + p.numel()].copy_(p.detach().reshape(-1))
+                offset += p.numel()
+        yield flat
+        del flat
+
+
+def _gathered(params: list[torch.nn.Parameter]) -> Any:
+    if not any(hasattr(p, "ds_id") for p in params):
+        return contextlib.nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(params, modifier_rank=None)
+
+
+def unflatten(flat: torch.Tensor, meta: Meta) -> dict[str, torch.Tensor]:
+    """The bucket's tensors by name: views into ``flat``, no copy."""
+    out, offset = {}, 0
+    for name, shape in meta:
+        n = math.prod(shape)
+        out[name] = flat[offset:offset + n].view(shape)
+        offset += n
+    return out
+
+
+def digest(named: Iterator[tuple[str, torch.Tensor]] | list[tuple[str, torch.Tensor]]) -> str:
+    """sha256 over each tensor's name and bytes, in name order: equal on both ends only if every byte
+    arrived and was applied. Once a run (the last version), not per version: 16 GB take seconds."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for name, t in sorted(named, key=lambda item: item[0]):
+        h.update(name.encode())
+        h.update(t.detach().to("cpu").contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def bucket_numel(meta: Meta) -> int:
+    return sum(math.prod(shape) for _, shape in meta)
+
+
+# ---------------------------------------------------------------------------
+# the collective group
 
 
 class WeightGroup:
-    """A process group of the learner's rank 0 (rank 0) and ``world_size - 1`` engines, apart from any other.
+    """A process group of learner rank 0 (rank 0) and ``world_size - 1`` engines, apart from any other.
 
-    Why its own group and not ``torch.distributed.init_process_group``: the learner's rank 0 is already
-    in Ray Train's default group; a second, stand-alone group (its own ``TCPStore``) lets the engines,
-    which are no Train workers, join without touching it. ``backend``: ``nccl`` for CUDA tensors,
-    ``gloo`` for CPU ones. Every member must call ``send``/``recv`` for every version, in order: the
-    learner blocks until all engines have received.
+    Why its own group: learner rank 0 is already in Ray Train's default group; a stand-alone group (its own
+    ``TCPStore``, hosted by rank 0 on a fresh port per epoch) lets engines, which are no Train workers,
+    join without touching it, and be rebuilt without it. ``backend``: ``nccl`` for CUDA tensors, ``gloo``
+    for CPU ones. ``timeout_s`` bounds the rendezvous and every broadcast: a member that died makes the
+    others fail within it instead of hanging.
     """
 
     def __init__(self, host: str, port: int, rank: int, world_size: int, backend: str = "gloo",
-                 timeout_s: float = 300.0) -> None:
+                 timeout_s: float = 30.0) -> None:
         import datetime
 
-        import torch
         import torch.distributed as dist
 
         if backend not in ("nccl", "gloo"):
@@ -130,70 +174,391 @@ class WeightGroup:
             self.device = torch.device("cpu")
             self.pg = dist.ProcessGroupGloo(self.store, rank, world_size, timeout)
 
-    def send(self, state_dict: dict) -> None:
-        """Rank 0: broadcast ``state_dict`` (flat buckets per dtype); receivers pass ``weight_meta(state_dict)``."""
-        meta = weight_meta(state_dict)
-        for bucket in _buckets(meta):
-            flat = _flatten([state_dict[k].detach().to(self.device) for k, _, _ in bucket])
-            self._broadcast(flat)
-        return meta
-
-    def recv(self, meta: list[tuple[str, tuple, str]]) -> dict:
-        """Ranks > 0: the tensors rank 0 is sending (on this group's device), by name."""
-        import math
-
-        import torch
-
-        out = {}
-        for bucket in _buckets(meta):
-            dtype = getattr(torch, bucket[0][2])
-            flat = torch.empty(sum(math.prod(s) for _, s, _ in bucket), dtype=dtype, device=self.device)
-            self._broadcast(flat)
-            offset = 0
-            for name, shape, _ in bucket:
-                n = math.prod(shape)
-                out[name] = flat[offset:offset + n].view(shape)
-                offset += n
-        return out
-
-    def _broadcast(self, flat: Any) -> None:
+    def broadcast(self, flat: torch.Tensor) -> torch.Tensor:
+        """Rank 0's ``flat`` into every member's (same size and dtype, on this group's device)."""
         import torch.distributed as dist
 
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
         self.pg.broadcast([flat], opts).wait()
         if self.backend == "nccl":
-            import torch
-
             torch.cuda.current_stream().synchronize()
+        return flat
+
+    def recv(self, meta: Meta, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """Ranks > 0: one bucket, by name."""
+        return unflatten(self.broadcast(torch.empty(bucket_numel(meta), dtype=dtype, device=self.device)), meta)
 
 
-def weight_meta(state_dict: dict) -> list[tuple[str, tuple, str]]:
-    """(name, shape, dtype name) per tensor, in order: what receivers need to take part in ``send``.
-    Small: it travels through the ``WeightStore`` (or any Ray call) ahead of the broadcast."""
-    return [(k, tuple(v.shape), str(v.dtype).removeprefix("torch.")) for k, v in state_dict.items()]
+def backend_for(device: torch.device) -> str:
+    return "nccl" if device.type == "cuda" else "gloo"
 
 
-def _buckets(meta: list[tuple[str, tuple, str]]) -> list[list[tuple[str, tuple, str]]]:
-    """Consecutive tensors of one dtype, up to ``PARAMS_PER_BROADCAST`` elements a bucket (a larger tensor alone)."""
-    import math
-
-    buckets: list[list[tuple[str, tuple, str]]] = []
-    size = 0
-    for item in meta:
-        n = math.prod(item[1])
-        if not buckets or buckets[-1][0][2] != item[2] or size + n > PARAMS_PER_BROADCAST:
-            buckets.append([])
-            size = 0
-        buckets[-1].append(item)
-        size += n
-    return buckets
+# ---------------------------------------------------------------------------
+# the coordinator
 
 
-def _flatten(tensors: list[Any]) -> Any:
-    import torch
+class WeightStore:
+    """The newest version, who receives it, and how (an async Ray actor on the driver's node).
 
-    return torch.cat([t.reshape(-1) for t in tensors])
+    Collective: ``join`` (actors), ``roster`` / ``open_epoch`` / ``announce`` (learner rank 0), ``wait``
+    (actors, long-polled: no busy loop, no push fan-out from the learner's critical path). Object store:
+    ``publish`` (the learner's buckets' references) and the same ``wait``.
+    """
+
+    def __init__(self) -> None:
+        self.version = -1
+        self.published_at = 0.0
+        self.members: dict[str, dict[str, Any]] = {}  # actor id -> {"handle", "dtype", "version"}
+        self.group: dict[str, Any] = {"epoch": 0, "host": "", "port": 0, "members": []}
+        self.announced: dict[str, Any] = {"version": -1, "epoch": 0, "seq": 0, "plan": [], "dtype": ""}
+        self.stored: dict[str, Any] = {"version": -1, "plan": [], "refs": []}  # the object store's version
+        self.catchup = False  # an actor asked for the newest version through the object store
+        self._cond: asyncio.Condition | None = None
+
+    @property
+    def cond(self) -> asyncio.Condition:
+        if self._cond is None:
+            self._cond = asyncio.Condition()
+        return self._cond
+
+    async def _changed(self) -> None:
+        async with self.cond:
+            self.cond.notify_all()
+
+    # -- actors --
+
+    async def join(self, actor_id: str, handle: Any, dtype: str, version: int) -> None:
+        """An actor asks to be in the next epoch; behind the newest version, it also asks for a catch-up."""
+        self.members[actor_id] = {"handle": handle, "dtype": dtype, "version": version}
+        if version < self.version:
+            self.catchup = True
+        await self._changed()
+
+    async def wait(self, actor_id: str, epoch: int, seq: int, version: int, timeout: float = 30.0) -> dict[str, Any]:
+        """What ``actor_id`` (in ``epoch``, having taken announcement ``seq``, at ``version``) must do next:
+        ``{"kind": "epoch", ...}`` build a newer group that lists it; ``{"kind": "version", ...}`` receive
+        the version announced on its group (every member takes part in every broadcast, even of a version
+        it holds: a retry after another member died); ``{"kind": "stored", ...}`` fetch the object store's
+        newer version; ``{"kind": "rejoin"}`` it was dropped (it did not answer) and must join again;
+        ``{"kind": "none"}`` nothing within ``timeout``."""
+
+        def next_thing() -> dict[str, Any] | None:
+            g, a, st = self.group, self.announced, self.stored
+            if actor_id not in self.members:
+                return {"kind": "rejoin"}
+            if g["epoch"] > epoch and actor_id in g["members"]:
+                return {"kind": "epoch", **g}
+            if a["epoch"] == epoch > 0 and a["seq"] > seq:
+                return {"kind": "version", **a}
+            if st["version"] > version:
+                return {"kind": "stored", **st}
+            return None
+
+        async with self.cond:
+            try:
+                await asyncio.wait_for(self.cond.wait_for(lambda: next_thing() is not None), timeout)
+            except TimeoutError:
+                return {"kind": "none"}
+            return next_thing()
+
+    async def received(self, actor_id: str, version: int) -> None:
+        if actor_id in self.members:
+            self.members[actor_id]["version"] = version
+
+    # -- learner rank 0 --
+
+    async def roster(self) -> tuple[list[str], str | None]:
+        """The members that answer (a dead actor is dropped) and the dtype they run in."""
+        async def alive(actor_id: str, m: dict) -> bool:
+            try:
+                await asyncio.wait_for(m["handle"].pid.remote(), 10)
+                return True
+            except Exception:  # noqa: BLE001 - dead, or too busy to answer: left out of this epoch
+                return False
+
+        ids = list(self.members)
+        live = await asyncio.gather(*(alive(i, self.members[i]) for i in ids))
+        for i, ok in zip(ids, live, strict=True):
+            if not ok:
+                self.members.pop(i, None)
+        dtypes = {m["dtype"] for m in self.members.values()}
+        if len(dtypes) > 1:
+            raise ConfigError(f"rollout engines run in different dtypes {sorted(dtypes)}: one version cannot serve all")
+        return sorted(self.members), (dtypes.pop() if dtypes else None)
+
+    async def open_epoch(self, host: str, port: int, members: list[str]) -> int:
+        self.group = {"epoch": self.group["epoch"] + 1, "host": host, "port": port, "members": list(members)}
+        await self._changed()
+        return self.group["epoch"]
+
+    async def announce(self, version: int, epoch: int, plan: list[Meta], dtype: str) -> None:
+        """``version`` follows on ``epoch``'s group (a new learner may announce an older version than the
+        last: the version it resumed from is the one that trains on)."""
+        self.announced = {"version": version, "epoch": epoch, "seq": self.announced["seq"] + 1, "plan": plan,
+                          "dtype": dtype}
+        self.version, self.published_at = version, time.time()
+        await self._changed()
+
+    async def publish(self, version: int, plan: list[Meta], dtype: str, refs: list[Any]) -> None:
+        """The object store's version: ``refs`` = one ``[ObjectRef]`` per bucket (in a list, so Ray passes the
+        reference, not the value). Only the newest is kept: an old version is freed once no actor holds it."""
+        if version < self.stored["version"]:
+            return  # a restarted learner republishing an old version must not roll the actors back
+        self.stored = {"version": version, "plan": plan, "dtype": dtype, "refs": refs}
+        self.version, self.published_at = max(self.version, version), time.time()
+        self.catchup = False
+        await self._changed()
+
+    def wants_catchup(self) -> bool:
+        return self.catchup
+
+    def latest_version(self) -> int:
+        return self.version
+
+
+# ---------------------------------------------------------------------------
+# learner side
+
+
+class Publisher:
+    """Learner side of every version (every rank makes one; rank 0 talks to the engines).
+
+    ``push`` streams a version by the configured transport; under ZeRO-3 every rank must call it, since
+    each bucket is a gather. On a failed broadcast rank 0 rebuilds the group and every rank streams the
+    version again (they agree through one all-reduce of rank 0's verdict)."""
+
+    def __init__(self, store: Any, transport: str, rank: int, bucket_bytes: int = BUCKET_BYTES,
+                 timeout_s: float = 30.0, attempts: int = 5) -> None:
+        check_transport(transport)
+        self.store, self.transport, self.rank = store, transport, rank
+        self.bucket_bytes, self.timeout_s, self.attempts = bucket_bytes, timeout_s, attempts
+        self.group: WeightGroup | None = None
+        self.members: list[str] = []
+        self.epoch = 0
+        self.stats: dict[str, Any] = {"versions": 0, "bytes": 0, "rebuilds": 0, "retries": 0, "stored": 0}
+        self._hashed: list[tuple[str, torch.Tensor]] | None = None
+
+    def push(self, model: Any, version: int, with_digest: bool = False) -> float:
+        """Send ``version`` (``model``'s weights now); the seconds it took. ``with_digest``: rank 0 also
+        hashes what it sent (``stats["sha256"]``, see ``digest``)."""
+        t0 = time.perf_counter()
+        self._hashed: list[tuple[str, torch.Tensor]] | None = [] if with_digest else None
+        members, dtype = self._roster(model)
+        plan = plan_buckets(model, dtype, self.bucket_bytes)
+        if self.transport == "object_store":
+            self._store(model, plan, dtype, version)
+        else:
+            for _ in range(self.attempts):
+                if self._broadcast(model, plan, dtype, version, members):
+                    break
+                self.stats["retries"] += 1
+                members, _ = self._roster(model)
+            else:
+                raise EngineError(f"weight version {version}: the broadcast failed {self.attempts} times")
+        self.stats["versions"] += 1
+        if self._hashed is not None and self.rank == 0:
+            self.stats["sha256"] = digest(self._hashed)
+        self._hashed = None
+        return time.perf_counter() - t0
+
+    def _sent(self, flat: torch.Tensor, meta: Meta) -> None:
+        self.stats["bytes"] += flat.numel() * flat.element_size()
+        if self._hashed is not None:
+            self._hashed += [(k, v.to("cpu", copy=True)) for k, v in unflatten(flat, meta).items()]
+
+    def catch_up(self, model: Any, version: int) -> bool:
+        """Put ``version`` into the object store when an actor asked for it (every rank calls this; they act
+        on rank 0's answer); whether it did."""
+        import ray
+
+        if not self._agree(self.rank == 0 and ray.get(self.store.wants_catchup.remote())):
+            return False
+        _, dtype = self._roster(model)
+        self._store(model, plan_buckets(model, dtype, self.bucket_bytes), dtype, version)
+        return True
+
+    def _roster(self, model: Any) -> tuple[list[str], torch.dtype]:
+        """(Rank 0) the live engines, and (every rank) the dtype they run in, else the training dtype."""
+        import ray
+
+        from osvl.train.device import all_reduce
+
+        members, code = [], -1
+        if self.rank == 0:
+            members, name = ray.get(self.store.roster.remote())
+            code = _DTYPES.index(name) if name in _DTYPES else -1
+        code = int(all_reduce(torch.tensor([code]), op="max").item())
+        return members, getattr(torch, _DTYPES[code]) if code >= 0 else next(_module(model).parameters()).dtype
+
+    def _store(self, model: Any, plan: list[Meta], dtype: torch.dtype, version: int) -> None:
+        import ray
+
+        refs = []
+        for meta, flat in zip(plan, stream_buckets(model, plan, dtype, self.rank), strict=True):
+            if flat is not None:
+                refs.append([ray.put(flat.cpu())])
+                self._sent(flat, meta)
+        if self.rank == 0:
+            ray.get(self.store.publish.remote(version, plan, _dtype_name(dtype), refs))
+            self.stats["stored"] += 1
+
+    def _broadcast(self, model: Any, plan: list[Meta], dtype: torch.dtype, version: int, members: list[str]) -> bool:
+        """One try: (rank 0) the group made current, the version announced and broadcast; every rank
+        gathers each bucket. Whether it reached every member."""
+        import ray
+
+        ok = True
+        if self.rank == 0:
+            try:
+                self._ensure_group(members, next(_module(model).parameters()).device)
+                if self.group is not None:
+                    ray.get(self.store.announce.remote(version, self.epoch, plan, _dtype_name(dtype)))
+            except Exception as e:  # noqa: BLE001 - a member that never came: rebuild without it
+                self._drop_group(f"rendezvous: {e!r}")
+                ok = False
+        ok = self._agree(ok)
+        if not ok:
+            return False
+        if self._hashed:
+            self._hashed.clear()  # a retry sends it all again
+        for meta, flat in zip(plan, stream_buckets(model, plan, dtype, self.rank), strict=True):
+            if flat is None or self.group is None or not ok:
+                continue  # every rank gathers every bucket, even after a failure: the gathers are collectives
+            try:
+                self.group.broadcast(flat.to(self.group.device))
+                self._sent(flat, meta)
+            except Exception as e:  # noqa: BLE001 - a member died mid-version: rebuild and send it again
+                self._drop_group(f"broadcast: {e!r}")
+                ok = False
+        return self._agree(ok)
+
+    def _ensure_group(self, members: list[str], device: torch.device) -> None:
+        """Rank 0: a group of exactly ``members`` (a new epoch when they changed; none without members), on
+        ``device``'s backend (the parameters': under DeepSpeed the accelerator's)."""
+        import ray
+
+        from osvl.cluster import free_port
+
+        if self.group is not None and members == self.members:
+            return
+        self.group, self.members = None, members
+        if not members:
+            return
+        host, port = ray.util.get_node_ip_address(), free_port()
+        self.epoch = ray.get(self.store.open_epoch.remote(host, port, members))
+        self.stats["rebuilds"] += 1
+        self.group = WeightGroup(host, port, 0, 1 + len(members), backend_for(device), self.timeout_s)
+
+    def _drop_group(self, why: str) -> None:
+        import logging
+
+        logging.getLogger(__name__).warning("weight group of epoch %d dropped (%s); rebuilding", self.epoch, why)
+        self.group, self.members = None, []
+
+    def _agree(self, flag: bool) -> bool:
+        """Rank 0's ``flag`` on every rank (a no-op with one rank)."""
+        from osvl.train.device import all_reduce
+
+        return bool(all_reduce(torch.tensor([1 if (flag and self.rank == 0) else 0]), op="max").item())
+
+
+_DTYPES = ["float32", "bfloat16", "float16"]
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+# ---------------------------------------------------------------------------
+# engine side
+
+
+class TransportError(RuntimeError):
+    """A version did not arrive whole (a member or the learner died, a fetch failed): the engine keeps
+    waiting, paused, for the next try; an error of the engine itself (a name it does not know) is not one."""
+
+
+class Receiver:
+    """A rollout actor's side of every version: follows the ``WeightStore`` and applies each version into
+    ``engine`` (``update_weights`` with the buckets as they arrive). ``handle`` is the actor's own, which
+    the store pings before each epoch."""
+
+    def __init__(self, store: Any, actor_id: str, handle: Any, engine: Any, poll_s: float = 30.0,
+                 timeout_s: float = 30.0) -> None:
+        self.store, self.id, self.handle, self.engine = store, actor_id, handle, engine
+        self.poll_s, self.timeout_s = poll_s, timeout_s
+        self.group: WeightGroup | None = None
+        self.epoch = self.seq = 0
+        self.newest_seen = -1
+        self.names: list[str] = []  # the parameters the last version held
+        self.stats = {"versions_group": 0, "versions_stored": 0, "rebuilds": 0, "failures": 0}
+
+    async def run(self, on_version: Any) -> None:
+        """Forever: apply every version sent to this actor; ``on_version(seconds)`` after each."""
+        await self._join()
+        while True:
+            msg = await self.store.wait.remote(self.id, self.epoch, self.seq, self.engine.version, self.poll_s)
+            kind = msg["kind"]
+            if kind == "rejoin":
+                self.group = None
+                await self._join()
+            elif kind == "epoch":
+                await self._build(msg)
+            elif kind == "version":
+                self.seq = msg["seq"]
+                await self._apply(msg, self._from_group(msg), "versions_group", on_version)
+            elif kind == "stored":
+                await self._apply(msg, self._from_store(msg), "versions_stored", on_version)
+
+    async def _join(self) -> None:
+        await self.store.join.remote(self.id, self.handle, self.engine.weight_dtype, self.engine.version)
+
+    async def _build(self, msg: dict[str, Any]) -> None:
+        self.group, self.epoch = None, msg["epoch"]
+        device = torch.device(getattr(self.engine, "device", "cpu"))
+        try:
+            self.group = await asyncio.to_thread(WeightGroup, msg["host"], msg["port"],
+                                                 1 + msg["members"].index(self.id), 1 + len(msg["members"]),
+                                                 backend_for(device), self.timeout_s)
+            self.stats["rebuilds"] += 1
+        except Exception:  # noqa: BLE001 - the learner gave up on this epoch (someone never came): the next one
+            self.stats["failures"] += 1
+
+    async def _apply(self, msg: dict[str, Any], buckets: Iterator[dict], counter: str, on_version: Any) -> None:
+        self.newest_seen = max(self.newest_seen, msg["version"])
+        t0 = time.perf_counter()
+        try:
+            await asyncio.to_thread(self.engine.update_weights, buckets, msg["version"])
+        except TransportError:
+            self.stats["failures"] += 1
+            self.group = None
+            return
+        self.stats[counter] += 1
+        self.names = [name for meta in msg["plan"] for name, _ in meta]
+        await self.store.received.remote(self.id, msg["version"])
+        on_version(time.perf_counter() - t0)
+
+    def _from_group(self, msg: dict[str, Any]) -> Iterator[dict[str, torch.Tensor]]:
+        group, dtype = self.group, getattr(torch, msg["dtype"])
+        for meta in msg["plan"]:
+            if group is None:
+                raise TransportError(f"no group for epoch {msg['epoch']}")
+            try:
+                yield group.recv(meta, dtype)
+            except Exception as e:  # noqa: BLE001 - gloo/NCCL errors have no common type
+                raise TransportError(f"broadcast of version {msg['version']} broke: {e!r}") from e
+
+    def _from_store(self, msg: dict[str, Any]) -> Iterator[dict[str, torch.Tensor]]:
+        import ray
+
+        for meta, ref in zip(msg["plan"], msg["refs"], strict=True):
+            try:
+                flat = ray.get(ref[0])
+            except Exception as e:  # noqa: BLE001 - the object was lost (its owner died): the next version
+                raise TransportError(f"fetching version {msg['version']} failed: {e!r}") from e
+            yield unflatten(flat, meta)
+            del flat
 
 
 def cuda_ipc_handles(state_dict: dict) -> dict[str, tuple]:

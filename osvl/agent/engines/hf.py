@@ -38,7 +38,7 @@ import inspect
 import json
 import queue
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -108,11 +108,11 @@ class HFEngine:
 
     One engine thread owns the model: it admits queued turns into the running batch between
     decoding steps (continuous batching), decodes one token for every live row per step,
-    and resolves each turn's future as soon as that row stops. Weight updates are applied by
-    the same thread when no turn is in flight (new turns wait meanwhile), so every turn is
-    sampled by one version, which its ``GenResult`` carries. ``cache_tokens`` bounds the prefix
-    cache (2 KB a token for the tiny model, ~57 KB for a 7B one in bf16): 65,536 tokens hold
-    about two turns of 32 episodes of 1,000 tokens.
+    and resolves each turn's future as soon as that row stops. Weight updates are applied by the same thread
+    between two decoding steps (turns in flight pause, then go on with the new weights); a turn's
+    ``GenResult`` carries the version it started with, the oldest that sampled it. ``cache_tokens`` bounds the
+    prefix cache (2 KB a token for the tiny model, ~57 KB for a 7B one in bf16): 65,536 tokens hold about two
+    turns of 32 episodes of 1,000 tokens.
     """
 
     def __init__(self, model: str | Path, *, max_batch: int = 32, dtype: str = "float32", device: str = "cpu",
@@ -138,6 +138,7 @@ class HFEngine:
         self.stats = {"batches": 0, "requests": 0, "max_batch_seen": 0, "steps": 0, "row_steps": 0,
                       "prefill_tokens": 0, "cached_tokens": 0}
         self._inbox: queue.Queue = queue.Queue()
+        self._broken = ""  # why generation is paused (a version that broke part way), else ""
         self._thread: threading.Thread | None = None
         self._start_lock = threading.Lock()
 
@@ -151,17 +152,22 @@ class HFEngine:
         self._inbox.put(("generate", (req, (loop, fut))))
         return await fut
 
-    def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
-        """Copy ``state_dict`` into the model in place (a subset is fine; unknown names are an error). Blocks
-        until the engine thread has applied it between turns; the prefix cache (K/V of the old weights) is
-        emptied."""
-        params = self._targets()
-        unknown = sorted(k for k in state_dict if k not in params)
-        if unknown:
-            raise ConfigError(f"update_weights: names not in the model: {unknown[:5]}")
+    @property
+    def weight_dtype(self) -> str:
+        """The dtype a weight version must arrive in (``osvl.rl.weights``)."""
+        return str(next(self.model.parameters()).dtype).removeprefix("torch.")
+
+    def update_weights(self, state_dict: Mapping[str, torch.Tensor] | Iterable[Mapping[str, torch.Tensor]],
+                       version: int) -> None:
+        """Copy a state dict, or a stream of partial ones (buckets), into the model in place. Blocks until the
+        engine thread has applied it, between two decoding steps: turns in flight pause meanwhile and go
+        on with the new weights (each keeps the version it started with, the oldest); the prefix cache
+        (K/V of the old weights) is emptied. A name the model does not have is a ``ConfigError``; a stream
+        that breaks part way leaves the engine paused, generating nothing, until a version arrives whole."""
         done: dict = {"event": threading.Event()}
         self._start()
-        self._inbox.put(("update", (state_dict, int(version), done)))
+        self._inbox.put(("update", ([state_dict] if isinstance(state_dict, Mapping) else state_dict, int(version),
+                                    done)))
         done["event"].wait()
         if "error" in done:
             raise done["error"]
@@ -194,7 +200,8 @@ class HFEngine:
         with torch.no_grad():  # grad mode is per thread
             while True:
                 live = batch.live() if batch is not None else 0
-                items = [] if live or waiting or updates else [self._inbox.get()]
+                # idle, or paused by a version that broke part way: block until something arrives
+                items = [] if (live or waiting or updates) and not self._broken else [self._inbox.get()]
                 while True:
                     try:
                         items.append(self._inbox.get_nowait())
@@ -213,15 +220,18 @@ class HFEngine:
                             done["event"].set()
                         return
                     (updates if kind == "update" else waiting).append(payload)
-                if updates and not live:  # between turns: every turn is sampled by one version
-                    for state_dict, version, done in updates:
+                if updates:  # between two decoding steps; the turns in flight wait meanwhile
+                    for buckets, version, done in updates:
                         try:
-                            self._apply(state_dict, version)
+                            self._apply(buckets, version)
                         except Exception as e:  # noqa: BLE001 - the caller of update_weights gets it
                             done["error"] = e
                         done["event"].set()
                     updates.clear()
-                    batch = None
+                    if not live:
+                        batch = None
+                if self._broken:
+                    continue
                 # admitting costs a prefill and a re-layout of the running batch: gather a few arrivals first
                 # (a quarter of the live rows, or ADMIT_AFTER steps of waiting), never hold anyone when idle
                 held = held + 1 if waiting and live else 0
@@ -252,13 +262,21 @@ class HFEngine:
         params.update(dict(self.model.named_buffers()))
         return params
 
-    def _apply(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
+    def _apply(self, buckets: Iterable[Mapping[str, torch.Tensor]], version: int) -> None:
         params = self._targets()
-        for k, v in state_dict.items():
-            params[k].copy_(v.to(params[k].device, params[k].dtype))
+        self._broken = f"version {version} is arriving"
+        for i, state_dict in enumerate(buckets):
+            unknown = sorted(k for k in state_dict if k not in params)
+            if unknown:
+                if i == 0:  # nothing copied: the weights are still the last version's
+                    self._broken = ""
+                raise ConfigError(f"update_weights: names not in the model: {unknown[:5]}")
+            for k, v in state_dict.items():
+                params[k].copy_(v.to(params[k].device, params[k].dtype))
         if self.store is not None:
             self.store.clear()
         self.version = int(version)
+        self._broken = ""
 
     def _admit(self, batch: _Batch | None, admit: list[tuple]) -> _Batch | None:
         reqs = [r for r, _ in admit]
