@@ -157,7 +157,10 @@ class WeightGroup:
     """
 
     def __init__(self, host: str, port: int, rank: int, world_size: int, backend: str = "gloo",
-                 timeout_s: float = 30.0) -> None:
+                 timeout_s: float = 30.0, bind: str = "") -> None:
+        """``host``/``port``: rank 0's store; ``bind``: the address this member's gloo connections use (its
+        node's, as Ray knows it; by default gloo picks one from the hostname, which on a multi-homed node
+        may be one the others cannot reach)."""
         import datetime
 
         import torch.distributed as dist
@@ -172,7 +175,13 @@ class WeightGroup:
             self.pg = dist.ProcessGroupNCCL(self.store, rank, world_size)
         else:
             self.device = torch.device("cpu")
-            self.pg = dist.ProcessGroupGloo(self.store, rank, world_size, timeout)
+            if bind:
+                opts = dist.ProcessGroupGloo._Options()
+                opts._timeout = timeout
+                opts._devices = [dist.ProcessGroupGloo.create_device(hostname=bind)]
+                self.pg = dist.ProcessGroupGloo(self.store, rank, world_size, opts)
+            else:
+                self.pg = dist.ProcessGroupGloo(self.store, rank, world_size, timeout)
 
     def broadcast(self, flat: torch.Tensor) -> torch.Tensor:
         """Rank 0's ``flat`` into every member's (same size and dtype, on this group's device)."""
@@ -448,7 +457,7 @@ class Publisher:
         host, port = ray.util.get_node_ip_address(), free_port()
         self.epoch = ray.get(self.store.open_epoch.remote(host, port, members))
         self.stats["rebuilds"] += 1
-        self.group = WeightGroup(host, port, 0, 1 + len(members), backend_for(device), self.timeout_s)
+        self.group = WeightGroup(host, port, 0, 1 + len(members), backend_for(device), self.timeout_s, bind=host)
 
     def _drop_group(self, why: str) -> None:
         import logging
@@ -518,9 +527,12 @@ class Receiver:
         self.group, self.epoch = None, msg["epoch"]
         device = torch.device(getattr(self.engine, "device", "cpu"))
         try:
+            import ray
+
             self.group = await asyncio.to_thread(WeightGroup, msg["host"], msg["port"],
                                                  1 + msg["members"].index(self.id), 1 + len(msg["members"]),
-                                                 backend_for(device), self.timeout_s)
+                                                 backend_for(device), self.timeout_s,
+                                                 ray.util.get_node_ip_address())
             self.stats["rebuilds"] += 1
         except Exception:  # noqa: BLE001 - the learner gave up on this epoch (someone never came): the next one
             self.stats["failures"] += 1
