@@ -94,6 +94,7 @@ def test_grpo_with_vllm_rollouts_in_the_vllm_environment(tmp_path, questions, ag
     assert Path(actor["model"]).name == Path(model).name and Path(actor["model"]) != agent_model, actor  # a mirror
     assert actor["engine_stats"]["requests"] > 0 and actor["engine_stats"]["updates"] >= STEPS, actor
     assert actor["alive"] and actor["version"] == STEPS, actor  # the learner's last version
+    assert actor["weights"]["versions_group"] >= 1, actor["weights"]  # over the weight group, not only caught up
     assert not [e for e in summary["events"] if e.startswith("stale_engine")], summary["events"]
     assert f"policy {model} -> " in proc.stdout + proc.stderr  # the driver kept the URI, it did not load it
     # the learner worker pulled it too: its checkpoint is the bucket's model trained STEPS steps

@@ -307,6 +307,9 @@ class WeightStore:
         self.announced = {"version": version, "epoch": epoch, "seq": self.announced["seq"] + 1, "plan": plan,
                           "dtype": dtype}
         self.version, self.published_at = version, time.time()
+        receiving = set(self.group["members"]) if epoch == self.group["epoch"] > 0 else set()
+        if any(m["version"] < version for i, m in self.members.items() if i not in receiving):
+            self.catchup = True  # one joined after the roster was taken: the object store serves it
         await self._changed()
 
     async def publish(self, version: int, plan: list[Meta], dtype: str, refs: list[Any]) -> None:
@@ -421,8 +424,10 @@ class Publisher:
         if self.rank == 0:
             try:
                 self._ensure_group(members, next(_module(model).parameters()).device)
-                if self.group is not None:
-                    ray.get(self.store.announce.remote(version, self.epoch, plan, _dtype_name(dtype)))
+                # announced even to no one (epoch 0: no engine has joined yet), so that the store knows the
+                # newest version and an engine that joins later asks for a catch-up
+                ray.get(self.store.announce.remote(version, self.epoch if self.group is not None else 0, plan,
+                                                   _dtype_name(dtype)))
             except Exception as e:  # noqa: BLE001 - a member that never came: rebuild without it
                 self._drop_group(f"rendezvous: {e!r}")
                 ok = False
