@@ -3,9 +3,9 @@ in the training dtype (the path before issue 48) against streamed buckets in the
 weight group (``osvl.rl.weights``, the default), and the same buckets through the object store.
 
 The model: Qwen3-VL-8B's tensor names and number of tensors (``configs/models/qwen3-vl-8b``: 36 decoder
-layers, untied embeddings, a 27-block vision tower with deepstack mergers) at shrunk widths (text 1024
-wide, MLP 2048, 8/4 heads of 128; vision 384 wide), random init under ``zero.Init`` on 2 learner ranks
-(gloo, one thread each, Ray actors): ~650M parameters, 2.6 GB in fp32, the CPU learner's training dtype.
+layers, untied embeddings, a 27-block vision tower with deepstack mergers: 750 tensors) at shrunk widths
+(text 768 wide, MLP 2048, 8/4 heads of 128; vision 384 wide), random init under ``zero.Init`` on 2 learner
+ranks (gloo, one thread each, Ray actors): 552M parameters, 2.2 GB in fp32, the CPU learner's training dtype.
 The engine: one Ray actor holding the model's trainable tensors in bf16 (the rollout dtype) and copying
 each received tensor into them, as an engine's ``update_weights`` does; the HF or vLLM engine's own
 bookkeeping is not part of the figure, the transport is. Both paths deliver to the same receiver code
@@ -21,11 +21,15 @@ Peak extra resident memory of learner rank 0 while a version goes out: ``VmRSS``
 its value just before (``RssAnon``, the process's private memory, beside it: what ``ray.put`` writes is
 the object store's shared memory, mapped into the process).
 
-    .venv/bin/python bench/weight_sync.py [--versions=3] [--bucket_mb=64]
+    .venv/bin/python bench/weight_sync.py [--versions=3] [--bucket_mb=256] [--train_dtype=float32|bfloat16]
+
+(``--train_dtype``: the learner's; float32 is the CPU learner's, bfloat16 the GPU learner's, in which the
+new path sends a tensor as gathered when it is a bucket on its own, without a cast copy.)
 
 Last stdout line: JSON with ``ratio`` = today's median seconds per version / the new default's (higher is
 better), each path's seconds per version and per GB sent, bytes sent per version beside the trainable
 parameters' element count times 2 (bf16), and rank 0's peak extra RSS per path beside the bucket size.
+The engine's weights after each path are hashed: the bench fails unless all three delivered the same bytes.
 """
 
 from __future__ import annotations
@@ -42,9 +46,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 WORLD = 2
 GB = 1e9
-TEXT = {"hidden_size": 1024, "intermediate_size": 2048, "num_attention_heads": 8, "num_key_value_heads": 4,
+TEXT = {"hidden_size": 768, "intermediate_size": 2048, "num_attention_heads": 8, "num_key_value_heads": 4,
         "head_dim": 128}
-VISION = {"hidden_size": 384, "intermediate_size": 1536, "num_heads": 6, "out_hidden_size": 1024}
+VISION = {"hidden_size": 384, "intermediate_size": 1536, "num_heads": 6, "out_hidden_size": 768}
 
 
 def model_config():
@@ -82,23 +86,25 @@ class _Sampler(threading.Thread):
 class LearnerRank:
     """One learner rank: the model partitioned under ZeRO-3 in a DeepSpeed engine (no optimiser)."""
 
-    def __init__(self, rank: int, port: int, store) -> None:
+    def __init__(self, rank: int, port: int, store, train_dtype: str) -> None:
         import deepspeed
         import torch
         import torch.distributed as dist
         import transformers
 
-        from osvl.train.deepspeed import ds_config
+        from osvl.train.deepspeed import ds_config, init_process_group
 
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(WORLD),
                           LOCAL_RANK=str(rank))
         torch.set_num_threads(1)
         dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+        init_process_group()  # DeepSpeed's view of it
         self.rank, self.store = rank, store
-        ds = ds_config(3, micro_batch=1, grad_accum=1, world_size=WORLD)
+        ds = ds_config(3, micro_batch=1, grad_accum=1, world_size=WORLD, bf16=train_dtype == "bfloat16")
         ds["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = True  # today's consolidation
-        with deepspeed.zero.Init(config_dict_or_path=ds, dtype=torch.float32):
-            model = transformers.Qwen3VLForConditionalGeneration(model_config())
+        cls, config = transformers.Qwen3VLForConditionalGeneration, model_config()  # imported outside zero.Init
+        with deepspeed.zero.Init(config_dict_or_path=ds, dtype=getattr(torch, train_dtype)):
+            model = cls(config)
         self.engine, *_ = deepspeed.initialize(model=model, config=ds)
         self.publishers = {}
 
@@ -193,6 +199,11 @@ class Engine:
             await asyncio.sleep(0.005)
         return self.version
 
+    def digest(self) -> str:
+        from osvl.rl.weights import digest
+
+        return digest(list(self.targets.items()))
+
     def pid(self) -> int:
         return os.getpid()
 
@@ -204,13 +215,14 @@ def main() -> None:
     from osvl.config import script_flags
     from osvl.rl.weights import WeightStore
 
-    flag, _ = script_flags(sys.argv[1:], {"versions": 3, "bucket_mb": 64.0})
+    flag, _ = script_flags(sys.argv[1:], {"versions": 3, "bucket_mb": 256.0, "train_dtype": "float32"})
     t_start = time.perf_counter()
     init_ray(num_cpus=4, include_dashboard=False)
     runtime = {"env_vars": {"PYTHONPATH": str(Path(__file__).resolve().parents[1])}}
     store = ray.remote(WeightStore).options(num_cpus=0).remote()
     port = free_port()
-    ranks = [ray.remote(LearnerRank).options(num_cpus=1, runtime_env=runtime).remote(r, port, store)
+    ranks = [ray.remote(LearnerRank).options(num_cpus=1, runtime_env=runtime).remote(r, port, store,
+                                                                                     flag["train_dtype"])
              for r in range(WORLD)]
     info = ray.get(ranks[0].info.remote())
     print(f"model: {info['trainable'] / 1e6:.0f}M trainable parameters in {info['tensors']} tensors "
@@ -221,7 +233,7 @@ def main() -> None:
     with torch.device("meta"):  # the engine's shapes: no memory
         shapes = {k: tuple(p.shape) for k, p in transformers.Qwen3VLForConditionalGeneration(
             model_config()).named_parameters()}
-    result = {}
+    result, digests = {}, {}
     for path in ("old", "collective", "object_store"):
         engine = ray.remote(Engine).options(num_cpus=0, runtime_env=runtime).remote(store, shapes)
         if path != "old":
@@ -244,6 +256,7 @@ def main() -> None:
             print(f"  {path} version {v}: {secs:.2f} s, {outs[0]['bytes'] / GB:.2f} GB, rank 0 +"
                   f"{outs[0]['extra_VmRSS'] / 2**20:.0f} MiB RSS (+{outs[0]['extra_RssAnon'] / 2**20:.0f} private)",
                   flush=True)
+        digests[path] = ray.get(engine.digest.remote())
         ray.kill(engine)
         ray.get(store.roster.remote())  # the dead engine leaves the roster
         med = statistics.median(r["seconds"] for r in runs)
@@ -252,14 +265,19 @@ def main() -> None:
                         "s_per_gb": round(med / (runs[-1]["bytes"] / GB), 3),
                         "peak_extra_rss_mib": [round(r["extra_rss"] / 2**20, 1) for r in runs],
                         "peak_extra_anon_mib": [round(r["extra_anon"] / 2**20, 1) for r in runs]}
+    # the weights do not change between versions here: every path must deliver the same bytes (today's
+    # through DeepSpeed's own consolidation, cast by the engine; the new ones collected from the partitions)
+    if len(set(digests.values())) != 1:
+        sys.exit(f"the paths delivered different weights: {digests}")
     bucket = flag["bucket_mb"] * 2**20
     print(json.dumps({
         "ratio": round(result["old"]["median_s"] / result["collective"]["median_s"], 3),
         "ratio_object_store": round(result["old"]["median_s"] / result["object_store"]["median_s"], 3),
         "trainable_params": info["trainable"], "tensors": info["tensors"],
         "expected_bytes_bf16": 2 * info["trainable"], "bucket_mib": flag["bucket_mb"],
-        "peak_extra_rss_over_bucket": round(max(result["collective"]["peak_extra_rss_mib"]) * 2**20 / bucket, 2),
-        "world": WORLD, **result, "seconds": round(time.perf_counter() - t_start, 1)}))
+        "peak_extra_rss_over_bucket": round(max(result["collective"]["peak_extra_rss_mib"]) * 2**20 / bucket,
+                                            2),
+        "world": WORLD, "train_dtype": flag["train_dtype"], "sha256_equal": True, **result, "seconds": round(time.perf_counter() - t_start, 1)}))
     ray.shutdown()
 
 

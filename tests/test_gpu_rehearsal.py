@@ -65,6 +65,21 @@ def _worker(rank: int, port: int, mode: str, dtype: str, case_file: str, out_dir
             res = learner.step(micro)
             rehearsal.note_peak("step1")
             steps.append((res.loss, res.grad_norm, res.kl, res.skipped))
+        # the version the learner streams to the engines (osvl.rl.weights): each bucket collected from the
+        # partitions by point-to-point pieces under the rehearsal, equal to DeepSpeed's own gather
+        from osvl.rl.weights import plan_buckets, stream_buckets, unflatten
+        from osvl.train.deepspeed import hf_state_dict
+
+        plan = plan_buckets(engine, torch.bfloat16, bucket_bytes=2**20)
+        sent = {}
+        for meta, flat in zip(plan, list(stream_buckets(engine, plan, torch.bfloat16, rank)), strict=True):
+            if flat is not None:
+                sent.update(unflatten(flat, meta))
+        whole = hf_state_dict(engine)
+        if rank == 0:
+            assert len(plan) > 1 and set(sent) == {k for k, p in engine.module.named_parameters()}, len(plan)
+            bad = [k for k, v in sent.items() if not torch.equal(v, whole[k].to(torch.bfloat16))]
+            assert not bad, bad[:5]
     except rehearsal.OffDevice as e:
         Path(out_dir, f"refused_rank{rank}.txt").write_text(str(e))
         os._exit(3)  # the other rank refuses at the same call: nothing left to pair with

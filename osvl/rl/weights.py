@@ -34,7 +34,6 @@ Transports (``learner.weights``):
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import math
 import time
 from collections.abc import Iterator
@@ -91,29 +90,55 @@ def _module(model: Any) -> torch.nn.Module:
 
 def stream_buckets(model: Any, plan: list[Meta], dtype: torch.dtype, rank: int) -> Iterator[torch.Tensor | None]:
     """Each bucket of ``plan`` as one flat ``dtype`` tensor on the parameters' device (rank 0; ``None``
-    elsewhere). Under ZeRO-3 every learner rank must iterate in step: each bucket is a gather."""
+    elsewhere). Under ZeRO-3 every learner rank must iterate in step.
+
+    A ZeRO-3 parameter is not gathered: each rank sends its partition to rank 0 in pieces of at most
+    ``PIECE`` elements, which rank 0 casts straight into the bucket. So rank 0 holds the bucket and one
+    piece, never a whole parameter in the training dtype beside it (a gather would also copy it to every
+    rank, and gloo's all-gather holds it twice); a parameter larger than the bucket is a bucket of its own."""
     params = dict(_module(model).named_parameters())
     for bucket in plan:
-        ps = [params[name] for name, _ in bucket]
-        with _gathered(ps):
-            if rank != 0:
-                yield None
-                continue
-            flat = torch.empty(sum(p.numel() for p in ps), dtype=dtype, device=ps[0].device)
-            offset = 0
-            for p in ps:
-                flat[offset:offset + p.numel()].copy_(p.detach().reshape(-1))
-                offset += p.numel()
+        flat = None
+        if rank == 0:
+            flat = torch.empty(bucket_numel(bucket), dtype=dtype, device=params[bucket[0][0]].device)
+        offset = 0
+        for name, shape in bucket:
+            p, n = params[name], math.prod(shape)
+            if getattr(p, "ds_tensor", None) is not None:
+                _collect(p.ds_tensor, n, flat[offset:offset + n] if flat is not None else None, rank)
+            elif flat is not None:
+                flat[offset:offset + n].copy_(p.detach().reshape(-1))
+            offset += n
         yield flat
         del flat
 
 
-def _gathered(params: list[torch.nn.Parameter]) -> Any:
-    if not any(hasattr(p, "ds_id") for p in params):
-        return contextlib.nullcontext()
-    import deepspeed
+PIECE = 2**24
+"""Elements per point-to-point piece of a ZeRO-3 partition (64 MB in fp32)."""
 
-    return deepspeed.zero.GatheredParameters(params, modifier_rank=None)
+
+def _collect(part: torch.Tensor, n: int, out: torch.Tensor | None, rank: int) -> None:
+    """A ZeRO-3 parameter of ``n`` elements into ``out`` on rank 0, from every rank's partition ``part``
+    (rank r holds elements [r P, r P + P) of the flattened parameter, P = the partition's size, the last
+    one padded)."""
+    import torch.distributed as dist
+
+    from osvl.train.device import on_group, world
+
+    size = part.ds_numel if hasattr(part, "ds_numel") else part.numel()
+    local = part.reshape(-1)
+    for r in range(world()):
+        count = max(0, min(size, n - r * size))
+        for a in range(0, count, PIECE):
+            b = min(count, a + PIECE)
+            if r == rank == 0:
+                out[r * size + a:r * size + b].copy_(local[a:b])
+            elif rank == r:
+                dist.send(on_group(local[a:b].contiguous()), dst=0)
+            elif rank == 0:
+                piece = on_group(torch.empty(b - a, dtype=local.dtype, device=local.device))
+                dist.recv(piece, src=r)
+                out[r * size + a:r * size + b].copy_(piece)
 
 
 def unflatten(flat: torch.Tensor, meta: Meta) -> dict[str, torch.Tensor]:
@@ -407,10 +432,11 @@ class Publisher:
         import ray
 
         refs = []
-        for meta, flat in zip(plan, stream_buckets(model, plan, dtype, self.rank), strict=True):
+        for i, flat in _counted(stream_buckets(model, plan, dtype, self.rank)):
             if flat is not None:
                 refs.append([ray.put(flat.cpu())])
-                self._sent(flat, meta)
+                self._sent(flat, plan[i])
+            del flat  # before the next bucket is made: one bucket at a time
         if self.rank == 0:
             ray.get(self.store.publish.remote(version, plan, _dtype_name(dtype), refs))
             self.stats["stored"] += 1
@@ -436,15 +462,16 @@ class Publisher:
             return False
         if self._hashed:
             self._hashed.clear()  # a retry sends it all again
-        for meta, flat in zip(plan, stream_buckets(model, plan, dtype, self.rank), strict=True):
-            if flat is None or self.group is None or not ok:
-                continue  # every rank gathers every bucket, even after a failure: the gathers are collectives
-            try:
-                self.group.broadcast(flat.to(self.group.device))
-                self._sent(flat, meta)
-            except Exception as e:  # noqa: BLE001 - a member died mid-version: rebuild and send it again
-                self._drop_group(f"broadcast: {e!r}")
-                ok = False
+        for i, flat in _counted(stream_buckets(model, plan, dtype, self.rank)):
+            # every rank collects every bucket, even after a failure: the collection is collective
+            if flat is not None and self.group is not None and ok:
+                try:
+                    self.group.broadcast(flat.to(self.group.device))
+                    self._sent(flat, plan[i])
+                except Exception as e:  # noqa: BLE001 - a member died mid-version: rebuild and send it again
+                    self._drop_group(f"broadcast: {e!r}")
+                    ok = False
+            del flat  # before the next bucket is made: one bucket at a time
         return self._agree(ok)
 
     def _ensure_group(self, members: list[str], device: torch.device) -> None:
@@ -477,6 +504,21 @@ class Publisher:
         return bool(all_reduce(torch.tensor([1 if (flag and self.rank == 0) else 0]), op="max").item())
 
 
+def _counted(buckets: Iterator[torch.Tensor | None]) -> Iterator[tuple[int, torch.Tensor | None]]:
+    """``enumerate``, minus its hold on the last bucket: ``zip`` and ``enumerate`` keep the previous item in
+    their reused result tuple until the next one exists, so two buckets would be alive at once (measured:
+    rank 0's extra memory 2x the bucket instead of 1x plus a piece)."""
+    i = 0
+    while True:
+        flat = next(buckets, _END)
+        if flat is _END:
+            return
+        yield i, flat
+        del flat
+        i += 1
+
+
+_END = object()
 _DTYPES = ["float32", "bfloat16", "float16"]
 
 

@@ -54,6 +54,12 @@ def to_model(batch: Mapping[str, torch.Tensor], model: torch.nn.Module) -> dict[
     return out
 
 
+def on_group(t: torch.Tensor) -> torch.Tensor:
+    """``t`` on the group's device (no copy when it is there already), for a point-to-point send or
+    receive osvl issues itself (``osvl.rl.weights`` collects ZeRO-3 partitions on rank 0 so)."""
+    return _mark(t.to(group_device()))
+
+
 def world() -> int:
     """Ranks in the process group (1 without one: tests, a single-process learner)."""
     import torch.distributed as dist
