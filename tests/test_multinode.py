@@ -258,6 +258,15 @@ def _grpo_job_on_a_multinode_cluster(cluster: dict, s3_store: dict, node_c: Path
     assert set(trained) == {g for g, v in ledger.items() if v["state"] == "consumed"}
     assert all(v["state"] == "consumed" or (v["state"] == "dropped" and v["reason"]) for v in ledger.values())
     assert summary["restarts"], "the rollout actor on the killed node was not replaced"
+    # versions crossed nodes over the weight group (learner rank 0 on one node, the engines on others), collected
+    # from both learner ranks' ZeRO-3 partitions; every live engine holds the last one bit for bit (a replacement
+    # that joined after it, from the object store, where the learner leaves the run's last version)
+    sent = rows[-1]["weights"]
+    live = [a for a in summary["actors"] if a["alive"]]
+    assert live and sent["sha256"] and sent["rebuilds"] >= 2, (sent, summary["actors"])
+    assert any(a["weights"]["versions_group"] >= 1 for a in live), summary["actors"]
+    for a in live:
+        assert a["weights_sha256"] == sent["sha256"], (a, sent)
     # the driver's live step table shows every step, although learner rank 0 wrote the rows on another node
     from osvl.rl.report import format_row
 

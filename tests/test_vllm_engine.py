@@ -201,6 +201,32 @@ def test_refusals_are_typed_and_leave_the_engine_working(engines):
     assert out.token_ids == ref.token_ids
 
 
+def test_a_version_lands_between_steps_and_the_turn_keeps_its_oldest(engines):
+    """An update does not wait for the turn in flight: it lands between two engine steps (vLLM preempts the
+    turn and recomputes its K/V), the turn goes on to its full length and records the version it started with."""
+    import threading
+    import time
+
+    v, h = engines
+    b = _episode(v.processor, [_image(9, (64, 64))], "What is it?", [None])
+    req = _request(b, Sampling(temperature=0.0, max_new_tokens=120, stop_token_ids=[-1]))
+    start, steps0, seen = v.version, v.stats["steps"], []
+
+    def update_mid_turn() -> None:
+        while v.stats["steps"] < steps0 + 5:
+            time.sleep(0.001)
+        seen.append(v.stats["steps"])
+        v.update_weights(iter([h.model.state_dict()]), version=start + 1)  # the same weights, as a stream
+        seen.append(v.stats["steps"])
+
+    t = threading.Thread(target=update_mid_turn)
+    t.start()
+    (res,) = _run(v.generate(req))
+    t.join()
+    assert len(res.token_ids) == 120 and res.version == start and v.version == start + 1
+    assert seen[1] - seen[0] <= 2 and v.stats["steps"] > seen[1]  # applied mid-turn; decoding went on after
+
+
 def test_an_option_vllm_does_not_know_fails_before_it_starts():
     with pytest.raises(ConfigError, match="vLLM engine option not understood.*max_batchez"):
         make_engine("vllm", str(tiny_checkpoint("qwen3_vl")), max_batch=2, max_batchez=3)

@@ -224,9 +224,9 @@ def train_loop(config: dict[str, Any]) -> None:  # pragma: no mutate block
 
     def push(version: int, last: bool = False) -> float:
         nonlocal pushed
-        # every rank: under ZeRO-3 each bucket is a gather; the last version's bytes are hashed (the step
-        # row's weights_sha256), which the launcher compares with every engine's
-        secs = publisher.push(engine, version, with_digest=last)
+        # every rank: under ZeRO-3 each bucket is collected from every rank's partitions; the run's last
+        # version is hashed (the last row's weights.sha256, which tests compare with every engine's)
+        secs = publisher.push(engine, version, final=last)
         pushed = version
         if rank == 0:
             ray.get(buffer.advance.remote(version))

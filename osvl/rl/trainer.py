@@ -231,6 +231,7 @@ def train(parts: GRPOParts, model_dir: str | Path, questions: list[dict[str, Any
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+    from osvl.errors import ConfigError
     from osvl.metrics import Recorder
     from osvl.rl import checkpoint as ckpt
     from osvl.rl.buffer import TrajectoryBuffer
@@ -240,6 +241,10 @@ def train(parts: GRPOParts, model_dir: str | Path, questions: list[dict[str, Any
     from osvl.rl.weights import WeightStore, check_transport
 
     check_transport(parts.learner.weights)
+    if parts.learner.freeze_vision and parts.rollout.engine == "vllm":
+        # vLLM reloads layer by layer and counts a layer nothing wrote as unloaded: it would refuse every version
+        raise ConfigError("learner.freeze_vision with rollout.engine=vllm: versions leave the vision tower out, "
+                          "which vLLM's weight reload refuses; train the whole model or use the HF engine")
     parts.rollout.check()
     tc, rc = parts.train, parts.rollout
     start_cluster(parts.rollout, parts.learner)

@@ -1,10 +1,11 @@
 """Versioned policy weights from the learner to the rollout engines: streamed bucket by bucket, in the
 rollout dtype, trainable parameters only.
 
-A version is a sequence of *buckets*: consecutive trainable parameters, gathered (under ZeRO-3 every
-learner rank takes part in each gather; no rank ever holds the whole model), cast to the dtype the
-engines run in and flattened into one tensor of at most ``bucket_bytes``. Learner rank 0 holds one
-gathered bucket and its flat copy at a time: its extra memory is about two buckets, whatever the model.
+A version is a sequence of *buckets*: consecutive trainable parameters, cast to the dtype the engines
+run in and flattened into one tensor of at most ``bucket_bytes`` (a larger parameter is a bucket of its
+own). Under ZeRO-3 every learner rank sends its partition of each parameter to rank 0 in pieces, which
+rank 0 writes straight into the bucket: no rank ever holds the whole model, and rank 0 holds one bucket
+and one piece at a time (``bench/weight_sync.py``: 1.1x the bucket, whatever the model).
 A frozen vision tower (``learner.freeze_vision``) never travels: engines load it from the same
 checkpoint the learner starts from.
 
@@ -34,6 +35,7 @@ Transports (``learner.weights``):
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import math
 import time
 from collections.abc import Iterator
@@ -151,16 +153,15 @@ def unflatten(flat: torch.Tensor, meta: Meta) -> dict[str, torch.Tensor]:
     return out
 
 
-def digest(named: Iterator[tuple[str, torch.Tensor]] | list[tuple[str, torch.Tensor]]) -> str:
-    """sha256 over each tensor's name and bytes, in name order: equal on both ends only if every byte
-    arrived and was applied. Once a run (the last version), not per version: 16 GB take seconds."""
-    import hashlib
-
-    h = hashlib.sha256()
-    for name, t in sorted(named, key=lambda item: item[0]):
-        h.update(name.encode())
-        h.update(t.detach().to("cpu").contiguous().view(-1).view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
+def digest(named: Iterator[tuple[str, torch.Tensor]] | list[tuple[str, torch.Tensor]], h: Any = None) -> Any:
+    """sha256 over each tensor's name and bytes, in the order given (a version's plan order, which both ends
+    know): equal on both ends only if every byte arrived and was applied. ``h``: a hash to go on with
+    (returned); without one, the hex digest. Once a run (the last version), not per version."""
+    out = h if h is not None else hashlib.sha256()
+    for name, t in named:
+        out.update(name.encode())
+        out.update(t.detach().to("cpu").contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return out if h is not None else out.hexdigest()
 
 
 def bucket_numel(meta: Meta) -> int:
@@ -374,13 +375,14 @@ class Publisher:
         self.members: list[str] = []
         self.epoch = 0
         self.stats: dict[str, Any] = {"versions": 0, "bytes": 0, "rebuilds": 0, "retries": 0, "stored": 0}
-        self._hashed: list[tuple[str, torch.Tensor]] | None = None
+        self._hashed: Any = None  # the final version's running sha256
 
-    def push(self, model: Any, version: int, with_digest: bool = False) -> float:
-        """Send ``version`` (``model``'s weights now); the seconds it took. ``with_digest``: rank 0 also
-        hashes what it sent (``stats["sha256"]``, see ``digest``)."""
+    def push(self, model: Any, version: int, final: bool = False) -> float:
+        """Send ``version`` (``model``'s weights now); the seconds it took. ``final``: the run's last version,
+        which rank 0 also hashes (``stats["sha256"]``, see ``digest``) and leaves in the object store, where an
+        engine that joins after it (the learner no longer polls for catch-ups) still finds it."""
         t0 = time.perf_counter()
-        self._hashed: list[tuple[str, torch.Tensor]] | None = [] if with_digest else None
+        self._hashed = hashlib.sha256() if final else None
         members, dtype = self._roster(model)
         plan = plan_buckets(model, dtype, self.bucket_bytes)
         if self.transport == "object_store":
@@ -393,16 +395,20 @@ class Publisher:
                 members, _ = self._roster(model)
             else:
                 raise EngineError(f"weight version {version}: the broadcast failed {self.attempts} times")
+            if final:
+                self._hashed, hashed = None, self._hashed  # hashed once, as broadcast
+                self._store(model, plan, dtype, version)
+                self._hashed = hashed
         self.stats["versions"] += 1
         if self._hashed is not None and self.rank == 0:
-            self.stats["sha256"] = digest(self._hashed)
+            self.stats["sha256"] = self._hashed.hexdigest()
         self._hashed = None
         return time.perf_counter() - t0
 
     def _sent(self, flat: torch.Tensor, meta: Meta) -> None:
         self.stats["bytes"] += flat.numel() * flat.element_size()
         if self._hashed is not None:
-            self._hashed += [(k, v.to("cpu", copy=True)) for k, v in unflatten(flat, meta).items()]
+            digest(unflatten(flat, meta).items(), self._hashed)
 
     def catch_up(self, model: Any, version: int) -> bool:
         """Put ``version`` into the object store when an actor asked for it (every rank calls this; they act
@@ -460,8 +466,8 @@ class Publisher:
         ok = self._agree(ok)
         if not ok:
             return False
-        if self._hashed:
-            self._hashed.clear()  # a retry sends it all again
+        if self._hashed is not None:
+            self._hashed = hashlib.sha256()  # a retry sends it all again
         for i, flat in _counted(stream_buckets(model, plan, dtype, self.rank)):
             # every rank collects every bucket, even after a failure: the collection is collective
             if flat is not None and self.group is not None and ok:
