@@ -209,20 +209,25 @@ def test_a_version_lands_between_steps_and_the_turn_keeps_its_oldest(engines):
 
     v, h = engines
     b = _episode(v.processor, [_image(9, (64, 64))], "What is it?", [None])
-    req = _request(b, Sampling(temperature=0.0, max_new_tokens=120, stop_token_ids=[-1]))
+    # stop at the image pad only, which a turn never writes: the turn runs its whole budget
+    req = _request(b, Sampling(temperature=0.0, max_new_tokens=120, stop_token_ids=[v.image_token_id]))
     start, steps0, seen = v.version, v.stats["steps"], []
 
     def update_mid_turn() -> None:
+        deadline = time.monotonic() + 120
         while v.stats["steps"] < steps0 + 5:
+            if time.monotonic() > deadline:
+                return
             time.sleep(0.001)
         seen.append(v.stats["steps"])
         v.update_weights(iter([h.model.state_dict()]), version=start + 1)  # the same weights, as a stream
         seen.append(v.stats["steps"])
 
-    t = threading.Thread(target=update_mid_turn)
+    t = threading.Thread(target=update_mid_turn, daemon=True)
     t.start()
     (res,) = _run(v.generate(req))
-    t.join()
+    t.join(120)
+    assert len(seen) == 2, seen
     assert len(res.token_ids) == 120 and res.version == start and v.version == start + 1
     assert seen[1] - seen[0] <= 2 and v.stats["steps"] > seen[1]  # applied mid-turn; decoding went on after
 
