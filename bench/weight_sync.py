@@ -282,7 +282,8 @@ def main() -> None:
         "expected_bytes_bf16": 2 * info["trainable"], "bucket_mib": flag["bucket_mb"],
         "peak_extra_rss_over_bucket": round(max(result["collective"]["peak_extra_rss_mib"]) * 2**20 / bucket,
                                             2),
-        "world": WORLD, "train_dtype": flag["train_dtype"], "sha256_equal": True, **result, "seconds": round(time.perf_counter() - t_start, 1)}))
+        "world": WORLD, "train_dtype": flag["train_dtype"], "sha256_equal": True, **result,
+        "seconds": round(time.perf_counter() - t_start, 1)}))
     ray.shutdown()
 
 
