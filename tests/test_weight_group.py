@@ -6,23 +6,18 @@ Real Ray actors, gloo (the code path NCCL takes on GPUs), real HF engines of the
 
 from __future__ import annotations
 
-import hashlib
 import time
 
 import pytest
 
-from osvl.rl.weights import Receiver
+from osvl.rl.weights import Receiver, digest
 
 TIMEOUT_S = 10.0  # the weight group's rendezvous and broadcast limit in this test: no wait may exceed 3x it
 
 
 def _digest(named) -> str:
-    """sha256 over (name, bytes) of float32 tensors, in name order."""
-    h = hashlib.sha256()
-    for name, t in sorted(named):
-        h.update(name.encode())
-        h.update(t.detach().to("cpu").contiguous().view(-1).view(dtype=__import__("torch").uint8).numpy().tobytes())
-    return h.hexdigest()
+    """sha256 of (name, bytes) in name order: the learner's and an engine's parameters list alike."""
+    return digest(sorted(named, key=lambda item: item[0]))
 
 
 class _DiesInBroadcast(Receiver):
