@@ -274,7 +274,6 @@ def train_loop(config: dict[str, Any]) -> None:  # pragma: no mutate block
             if rank == 0:
                 row = step_row(step, groups, res, wait_s, sync_s, ray.get(buffer.stats.remote()))
                 row["weights"] = dict(publisher.stats)  # counters; sha256 on the last step
-                publisher.stats.pop("sha256", None)
                 log.write(json.dumps(row) + "\n")
                 log.flush()
                 storage.publish(run_folder, "steps.jsonl")

@@ -382,6 +382,7 @@ class Publisher:
         which rank 0 also hashes (``stats["sha256"]``, see ``digest``) and leaves in the object store, where an
         engine that joins after it (the learner no longer polls for catch-ups) still finds it."""
         t0 = time.perf_counter()
+        self.stats.pop("sha256", None)  # only the version that was hashed carries one
         self._hashed = hashlib.sha256() if final else None
         members, dtype = self._roster(model)
         plan = plan_buckets(model, dtype, self.bucket_bytes)
