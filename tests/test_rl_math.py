@@ -9,7 +9,16 @@ import torch
 
 from osvl.agent.fatal import NOT_FATAL, Fatal, find_fatal, mask_start
 from osvl.errors import ConfigError
-from osvl.rl.loss import MODES, apply_mode, group_advantages, kl_k3, loss_divisor, policy_loss, token_mask
+from osvl.rl.loss import (
+    MODES,
+    apply_mode,
+    group_advantages,
+    kl_k3,
+    loss_divisor,
+    policy_loss,
+    stats_members,
+    token_mask,
+)
 
 T, F = True, False
 
@@ -79,11 +88,28 @@ def test_one_sided_clamp(rewards, fatal, expected):
     assert unclamped.tolist() == pytest.approx(adv.tolist())
 
 
-def test_hard_mask_drops_fatal_after_group_stats():
+def test_hard_mask_in_stats_drops_fatal_after_group_stats():
     adv = group_advantages(torch.tensor([0.2, 0.0, 1.0, 0.0]), torch.zeros(4, dtype=torch.long))
-    out, weight = apply_mode(adv, torch.tensor([T, F, F, F]), "hard_mask")
+    out, weight = apply_mode(adv, torch.tensor([T, F, F, F]), "hard_mask_in_stats")
     assert weight.tolist() == [0.0, 1.0, 1.0, 1.0]
     assert out.tolist() == pytest.approx(adv.tolist())  # others keep stats computed with the fatal one
+
+
+def test_hard_mask_drops_fatal_from_group_stats():
+    """The paper's hard mask: rewards [0.9(fatal), 0, 1, 0.5] -> statistics over [0, 1, 0.5] only: mean 0.5, unbiased
+    std 0.5, so the non-fatal advantages are -1, 1, 0 (with the fatal row kept they would be -1.32, 0.88, -0.22)."""
+    rewards, fatal = torch.tensor([0.9, 0.0, 1.0, 0.5]), torch.tensor([T, F, F, F])
+    group = torch.zeros(4, dtype=torch.long)
+    raw = group_advantages(rewards, group, member=stats_members(fatal, "hard_mask"))
+    adv, weight = apply_mode(raw, fatal, "hard_mask")
+    assert adv.tolist() == pytest.approx([0.0, -1.0, 1.0, 0.0], abs=1e-5)
+    assert weight.tolist() == [0.0, 1.0, 1.0, 1.0]
+    assert stats_members(fatal, "hard_mask_in_stats") is None
+    kept = group_advantages(rewards, group)
+    assert kept[1:].tolist() == pytest.approx([-1.3198, 0.8799, -0.2200], abs=1e-3)
+    # a group left with one non-fatal member compares nothing: every advantage 0
+    lone = group_advantages(rewards, group, member=torch.tensor([F, F, T, F]))
+    assert lone.tolist() == [0.0] * 4
 
 
 @pytest.mark.parametrize("log_ratio, adv, expected_loss", [
@@ -148,8 +174,9 @@ def test_per_mode_gradients_follow_the_table():
     assert (g[0, post_fatal] != 0).all()                     # vanilla trains post-fatal tokens
     g = _mode_grads("fatal_mask", -0.5)
     assert (g[0, post_fatal] == 0).all() and (g[0, :2] != 0).all()
-    g = _mode_grads("hard_mask", -0.5)
-    assert (g[0] == 0).all() and (g[1] != 0).all()            # fatal trajectory gets nothing
+    for hard in ("hard_mask", "hard_mask_in_stats"):
+        g = _mode_grads(hard, -0.5)
+        assert (g[0] == 0).all() and (g[1] != 0).all()        # fatal trajectory gets nothing
     g = _mode_grads("fatal_mask_clamp", -0.5)
     assert (g[0] == 0).all()                                   # negative advantage clamped to 0
     g = _mode_grads("fatal_mask_clamp", 0.5)
@@ -160,8 +187,10 @@ def test_per_mode_gradients_follow_the_table():
 # Loss magnitudes in every mode and aggregation, with a dropped and a clamped row (weights not all ones).
 # The expected values are plain-Python arithmetic of docs/design.md's formula, not calls of the code under test.
 
-# docs/design.md's per-mode table: (mask post-fatal tokens, drop fatal rows, clamp fatal negatives to 0)
-MODE_TABLE = {"vanilla": (F, F, F), "hard_mask": (F, T, F), "fatal_mask": (T, F, F), "fatal_mask_clamp": (T, F, T)}
+# docs/design.md's per-mode table: (mask post-fatal tokens, drop fatal rows, clamp fatal negatives to 0, fatal rows in
+# the group statistics)
+MODE_TABLE = {"vanilla": (F, F, F, T), "hard_mask": (F, T, F, F), "hard_mask_in_stats": (F, T, F, T),
+              "fatal_mask": (T, F, F, T), "fatal_mask_clamp": (T, F, T, T)}
 AGGREGATIONS = ("seq_mean_token_mean", "token_mean", "seq_mean_token_sum")
 FULL = ([0, 1, 1, 0, 1, 1, 0, 1], [-1, 0, 0, -1, 1, 1, -1, 2])  # prompt, turn 0, tool, turn 1, tool, turn 2
 TWO = ([0, 1, 1, 0, 1, 1, 0, 0], [-1, 0, 0, -1, 1, 1, -1, -1])   # two turns, then padding
@@ -210,15 +239,15 @@ def _expected_loss(mode: str, aggregation: str, beta: float) -> dict[str, float]
     """docs/design.md's J for ROWS, in plain Python: group statistics over all G (unbiased std, δ = 1e-6),
     then the mode's clamp / drop, then the token mask; ε_low 0.2, ε_high 0.28; divisor B for the sequence
     aggregations, Σ_i w_i Σ_t M_it for token_mean."""
-    mask_post, drop, clamp = MODE_TABLE[mode]
+    mask_post, drop, clamp, in_stats = MODE_TABLE[mode]
     B = len(ROWS)
     pg_sums, kl_sums, n_masked, weights, advs = [], [], [], [], []
     clipped = masked = generated = 0
     for i, row in enumerate(ROWS):
-        peers = [r["reward"] for r in ROWS if r["group"] == row["group"]]
+        peers = [r["reward"] for r in ROWS if r["group"] == row["group"] and (in_stats or not r["fatal"])]
         mean = sum(peers) / len(peers)
         std = math.sqrt(sum((p - mean) ** 2 for p in peers) / (len(peers) - 1))
-        a = (row["reward"] - mean) / (std + 1e-6)
+        a = (row["reward"] - mean) / (std + 1e-6) if in_stats or not row["fatal"] else 0.0
         if clamp and row["fatal"]:
             a = max(a, 0.0)
         advs.append(a)
@@ -264,6 +293,8 @@ def test_expected_loss_rows_are_dropped_and_clamped():
     assert plain[0] < 0 and clamp[0] == 0.0 and plain[3] > 0 and clamp[3] == plain[3]
     assert set(MODE_TABLE) == set(MODES)
     assert _expected_loss("hard_mask", "token_mean", 0)["loss"] != _expected_loss("vanilla", "token_mean", 0)["loss"]
+    assert _expected_loss("hard_mask", "token_mean", 0)["adv"][1] != _expected_loss("hard_mask_in_stats", "token_mean",
+                                                                                      0)["adv"][1]
 
 
 @pytest.mark.parametrize("aggregation", AGGREGATIONS)
@@ -281,7 +312,8 @@ def test_grpo_loss_magnitude_every_mode_and_aggregation(mode, aggregation):
     assert sl.out.clip_fraction.item() == pytest.approx(want["clip_fraction"])
     assert sl.out.mask_coverage.item() == pytest.approx(want["mask_coverage"])
     assert sl.adv.tolist() == pytest.approx(want["adv"], abs=1e-5)
-    assert (sl.clamped, sl.kept_positive, sl.n_fatal) == (1, 1, 2)  # counted in every mode
+    # counted in every mode; the paper's hard mask gives fatal rows no normalised reward at all
+    assert (sl.clamped, sl.kept_positive, sl.n_fatal) == ((1, 1, 2) if MODE_TABLE[mode][3] else (0, 0, 2))
 
 
 @pytest.mark.parametrize("aggregation", AGGREGATIONS)
@@ -289,7 +321,7 @@ def test_grpo_loss_magnitude_every_mode_and_aggregation(mode, aggregation):
 def test_policy_loss_magnitude_every_mode_and_aggregation(mode, aggregation):
     """The same figures through loss.py's own pieces: group_advantages, apply_mode, token_mask, policy_loss."""
     batch = _loss_batch()
-    raw = group_advantages(batch["reward"], batch["group"])
+    raw = group_advantages(batch["reward"], batch["group"], member=stats_members(batch["fatal"], mode))
     adv, weight = apply_mode(raw, batch["fatal"], mode)
     start = batch["mask_start"] if MODE_TABLE[mode][0] else torch.full((len(ROWS),), NOT_FATAL)
     mask = token_mask(batch["gen_mask"], batch["step_ids"], start)
@@ -299,7 +331,7 @@ def test_policy_loss_magnitude_every_mode_and_aggregation(mode, aggregation):
     assert out.loss.item() == pytest.approx(want["loss"], abs=1e-5)
     assert out.kl.item() == pytest.approx(want["kl"], abs=1e-6)
     assert out.mask_coverage.item() == pytest.approx(want["mask_coverage"])
-    assert weight.tolist() == [0.0 if mode == "hard_mask" and r["fatal"] else 1.0 for r in ROWS]
+    assert weight.tolist() == [0.0 if MODE_TABLE[mode][1] and r["fatal"] else 1.0 for r in ROWS]
 
 
 DROPPED_ROW_LOSS = {

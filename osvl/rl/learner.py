@@ -27,7 +27,16 @@ import torch
 from osvl.agent.fatal import NOT_FATAL, MaskStart, mask_start
 from osvl.config import opt
 from osvl.errors import TrainingDiverged
-from osvl.rl.loss import MODES, LossOutput, apply_mode, group_advantages, loss_divisor, policy_loss, token_mask
+from osvl.rl.loss import (
+    MODES,
+    LossOutput,
+    apply_mode,
+    group_advantages,
+    loss_divisor,
+    policy_loss,
+    stats_members,
+    token_mask,
+)
 from osvl.train import device
 from osvl.train.batch import Truncation
 
@@ -36,19 +45,21 @@ from osvl.train.batch import Truncation
 class RLConfig:
     """The fatal-aware GRPO knobs (defaults: docs/design.md's table)."""
 
-    mode: Literal["vanilla", "hard_mask", "fatal_mask", "fatal_mask_clamp"] = opt(
+    mode: Literal["vanilla", "hard_mask", "hard_mask_in_stats", "fatal_mask", "fatal_mask_clamp"] = opt(
         "fatal_mask_clamp", "Ablation mode (per-mode table in docs/design.md).")
     mask_at: MaskStart = opt(
         "cascade", "Where the token mask starts on a fatal trajectory: first failed step of the cascade "
-        "(released code) or the K-th failure (paper's formula).")
+        "(the paper's text, where masking 'commences', and its released code) or the K-th failure (a literal "
+        "reading of the formula's fatal step).")
     group_size: int = opt(8, "G: samples per question; advantages are normalised within a group.")
-    baseline: Literal["grpo", "rloo"] = opt("grpo", "grpo: (r-mean)/(std+delta); rloo: leave-one-out mean.")
+    baseline: Literal["grpo", "rloo"] = opt("grpo", "grpo: (r-mean)/(std+delta); rloo: leave-one-out mean (the "
+                                                    "paper's configuration table).")
     eps_low: float = opt(0.2, "Lower clip of the importance ratio (1 - eps_low).")
     eps_high: float = opt(0.28, "Upper clip of the importance ratio (1 + eps_high).")
     beta: float = opt(0.001, "k3 KL coefficient to the frozen reference model; 0 disables the reference model.")
     aggregation: Literal["seq_mean_token_mean", "token_mean", "seq_mean_token_sum"] = opt(
         "seq_mean_token_mean", "Loss aggregation: per-trajectory token mean then mean over G (paper); "
-        "token_mean; seq_mean_token_sum (released code).")
+        "token_mean; seq_mean_token_sum (the paper's configuration table).")
     lr: float = opt(1e-5, "Adam learning rate.")
     warmup_steps: int = opt(0, "Linear learning-rate warm-up over the first N learner steps (0 = none): Adam's "
                                "first step moves every weight by about lr whatever its gradient "
@@ -90,8 +101,8 @@ def _adv_and_mask(batch: Mapping[str, torch.Tensor], cfg: RLConfig,
     mode = MODES[cfg.mode]
     # rl_batch's rows carry their normalised reward, computed over the whole group (a micro-batch may hold
     # part of one); a batch made by hand has its groups whole
-    raw = batch["raw_adv"] if "raw_adv" in batch else group_advantages(batch["reward"], batch["group"],
-                                                                        baseline=cfg.baseline)
+    raw = batch["raw_adv"] if "raw_adv" in batch else group_advantages(
+        batch["reward"], batch["group"], baseline=cfg.baseline, member=stats_members(batch["fatal"], cfg.mode))
     adv, weight = apply_mode(raw, batch["fatal"].to(torch.bool), cfg.mode)
     if not live:
         weight = torch.zeros_like(weight)

@@ -101,7 +101,7 @@ def rl_batch(groups: Sequence[Sequence[Any] | Piece], image_dir: str, processor:
     drop (longer than ``max_len`` under the ``drop`` policy) leave their group first, so the group
     statistics use the rows that are actually trained.
     """
-    from osvl.rl.loss import group_advantages
+    from osvl.rl.loss import group_advantages, stats_members
     from osvl.train.batch import collate
 
     keep: list[Any] = []
@@ -110,9 +110,11 @@ def rl_batch(groups: Sequence[Sequence[Any] | Piece], image_dir: str, processor:
     for g, item in enumerate(groups):
         trajs, rows = item if isinstance(item, tuple) else (item, None)
         trainable = [i for i, tr in enumerate(trajs) if _trainable(tr, cfg)]
+        fatal = torch.tensor([trajs[i].fatal_kth >= 0 for i in trainable], dtype=torch.bool)
         adv = dict(zip(trainable, group_advantages(torch.tensor([trajs[i].reward for i in trainable]),
                                                    torch.zeros(len(trainable), dtype=torch.long),
-                                                   baseline=cfg.baseline), strict=True))
+                                                   baseline=cfg.baseline, member=stats_members(fatal, cfg.mode)),
+                       strict=True))
         for i in trainable if rows is None else rows:
             keep.append(trajs[i])
             group_ix.append(g)

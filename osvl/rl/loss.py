@@ -4,16 +4,21 @@ The precise math is docs/design.md's "Fatal-aware GRPO". For a group of G
 trajectories of one question:
 
     r_i   = r_fmt,i · (α·r_acc,i + (1−α)·r_query,i)      r_acc = 0 when fatal
-    r̃_i   = (r_i − mean_G r) / (std_G r + δ)             over all G, fatal included
+    r̃_i   = (r_i − mean_G r) / (std_G r + δ)             over all G, fatal included (``hard_mask``:
+                                                         over the non-fatal members only, the paper's)
     Â_i   = r̃_i, or max(r̃_i, 0) for a fatal i            (the one-sided clamp)
     J     = Σ_i w_i (1/Σ_t M_it) Σ_t M_it · min(ρ Â, clip(ρ, 1−ε_low, 1+ε_high) Â) − β·KL_k3
 
 with w_i = 1/G (the paper's aggregation). The reward r_i is computed once, per trajectory,
 by ``osvl.agent.reward.score_trajectory``; the mask M starts at the turn
 ``osvl.agent.fatal.mask_start`` names. The four ablation modes differ only
-in three switches (``MODES``): whether post-fatal tokens are masked, whether a
-fatal trajectory is dropped after the group statistics, and whether the clamp is
-applied. Keeping them as data makes the per-mode table testable.
+in four switches (``MODES``): whether post-fatal tokens are masked, whether a
+fatal trajectory is dropped from the loss, whether it still counts in the group
+statistics, and whether the clamp is applied. Keeping them as data makes the per-mode
+table testable. ``hard_mask`` is the paper's hard mask: a fatal trajectory is
+discarded, from the group's mean and std as well as from the loss;
+``hard_mask_in_stats`` (osvl's earlier ``hard_mask``) drops it from the loss only, so it
+still shapes the baseline the others are judged against.
 
 Shapes: B trajectories (several groups may share a batch), T tokens. ``group``
 is a (B,) long tensor of group ids.
@@ -31,11 +36,13 @@ class Mode:
     mask_post_fatal: bool
     drop_fatal: bool
     clamp_fatal: bool
+    fatal_in_stats: bool = True  # False: group mean/std over the non-fatal members only
 
 
 MODES: dict[str, Mode] = {
     "vanilla": Mode(mask_post_fatal=False, drop_fatal=False, clamp_fatal=False),
-    "hard_mask": Mode(mask_post_fatal=False, drop_fatal=True, clamp_fatal=False),
+    "hard_mask": Mode(mask_post_fatal=False, drop_fatal=True, clamp_fatal=False, fatal_in_stats=False),
+    "hard_mask_in_stats": Mode(mask_post_fatal=False, drop_fatal=True, clamp_fatal=False),
     "fatal_mask": Mode(mask_post_fatal=True, drop_fatal=False, clamp_fatal=False),
     "fatal_mask_clamp": Mode(mask_post_fatal=True, drop_fatal=False, clamp_fatal=True),
 }
@@ -56,18 +63,24 @@ def token_mask(gen_mask: torch.Tensor, step_ids: torch.Tensor, mask_start: torch
 
 
 def group_advantages(rewards: torch.Tensor, group: torch.Tensor, baseline: str = "grpo",
-                     eps: float = 1e-6, unbiased: bool = True) -> torch.Tensor:
+                     eps: float = 1e-6, unbiased: bool = True, member: torch.Tensor | None = None) -> torch.Tensor:
     """Normalised advantages within each group.
 
     ``grpo``: (r − mean)/(std + δ) with the unbiased std by default. ``rloo``: r minus
-    the mean of the *other* members (the released code's leave-one-out baseline).
-    A singleton group gets advantage 0 (no comparison is possible), and a group of
-    identical rewards gets 0 everywhere (std 0, numerator 0).
+    the mean of the *other* members (leave-one-out, as the paper's configuration table
+    lists it). A singleton group gets advantage 0 (no comparison is
+    possible), and a group of identical rewards gets 0 everywhere (std 0, numerator 0).
+    ``member`` (B,) bool, when given, says which rows the statistics are over (``stats_members``);
+    the others get advantage 0.
     """
     if baseline not in ("grpo", "rloo"):
         raise ValueError(f"baseline must be 'grpo' or 'rloo', got {baseline!r}")
     adv = torch.zeros_like(rewards, dtype=torch.float32)
+    if member is not None:
+        group = torch.where(member.to(torch.bool), group, torch.full_like(group, -1))
     for g in torch.unique(group):
+        if member is not None and g < 0:
+            continue
         idx = (group == g).nonzero(as_tuple=True)[0]
         r = rewards[idx].to(torch.float32)
         n = r.numel()
@@ -79,6 +92,12 @@ def group_advantages(rewards: torch.Tensor, group: torch.Tensor, baseline: str =
         else:
             adv[idx] = r - (r.sum() - r) / (n - 1)
     return adv
+
+
+def stats_members(fatal: torch.Tensor, mode: str) -> torch.Tensor | None:
+    """The rows a mode's group statistics are over: all (None) or, for the paper's ``hard_mask``, the
+    non-fatal ones."""
+    return None if MODES[mode].fatal_in_stats else ~fatal.to(torch.bool)
 
 
 def apply_mode(adv: torch.Tensor, fatal: torch.Tensor, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
