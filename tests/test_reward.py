@@ -111,6 +111,15 @@ def test_score_trajectory_rewards_and_fatal_prefix():
     assert late.r_fmt == pytest.approx(3 / 5) and late.reward > early.reward
     with pytest.raises(ConfigError):
         RewardConfig(fmt_scope="all").check()
+    # a call that parses but whose arguments the tool refuses (invalid_call) is malformed for r_fmt (the paper's
+    # text), unless fmt_args is off; a tool's own failure (timeout) is not the format's fault
+    refused = turn(1, "crop", {"image": "img_1", "box": "wide"}, "Error (invalid_call): box", status="error")
+    refused.error_kind = "invalid_call"
+    slow = turn(2, "text_search", {"query": "Tower Bridge"}, "Error (timeout): slow", status="error")
+    slow.error_kind = "timeout"
+    args = [GOOD[0], refused, slow, turn(3)]
+    assert asyncio.run(score_trajectory(traj(args), QUESTION, cfg)).r_fmt == 0.75
+    assert asyncio.run(score_trajectory(traj(args), QUESTION, RewardConfig(fmt_args=False))).r_fmt == 1.0
     # a wrong answer and a turn limit without an answer
     assert asyncio.run(score_trajectory(traj(list(GOOD), final="Paris"), QUESTION, cfg)).r_acc == 0.0
     assert asyncio.run(score_trajectory(traj(GOOD[:2], final=None, stop="max_turns"), QUESTION, cfg)).r_acc == 0.0

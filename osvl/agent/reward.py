@@ -2,13 +2,16 @@
 
     reward = r_fmt * (alpha * r_acc + (1 - alpha) * r_query),   alpha = 0.8
 
-- **r_fmt**: share of the pre-fatal assistant turns that parse (``action != "invalid"``), or with
+- **r_fmt**: share of the pre-fatal assistant turns that are well-formed, or with
   ``fmt_scope="episode"`` share of *all* the episode's assistant turns, the fatal cascade included.
   Why the option: on the prefix, [ok, bad, bad, bad] (fatal at once) scores r_fmt 1.0 while a
   non-fatal [ok, bad, ok, bad, ok, wrong answer] scores 0.67, so a policy that does not yet answer
   correctly (r_acc 0 everywhere) is paid for dying early, and the clamp never pushes a fatal
   trajectory down. Counting the cascade ranks the early death below any attempt that keeps
-  parsing (the demo's runs with each setting: docs/measurements.md).
+  parsing (the demo's runs with each setting: docs/measurements.md). Well-formed: the turn parses
+  (``action != "invalid"``) and, with ``fmt_args`` (default, the paper's text, which scores a step with
+  malformed arguments 0 as well), it is not a tool call the tool refused as ``invalid_call`` (wrong or
+  missing arguments, an unknown tool). ``fmt_args=False`` counts parse failures only (osvl's earlier rule).
 - **r_acc**: 0 for a fatal trajectory or one without a response; else the rule judge
   (``judge.answer_reward``), or the LLM judge (``judge.LLMJudge``), or the rule first and
   the LLM only where the rule says no (``judge="rule_then_llm"``: the rule's yes is cheap
@@ -64,8 +67,11 @@ class RewardConfig:
     alpha: float = opt(0.8, "Weight of r_acc against r_query inside the format gate.")
     judge: Judge = opt("rule", "Answer judge (see the module docstring).")
     query_scorer: QueryScorer = opt("rule", "r_query: the rule, or llm (the process judge).")
-    prefix_end: MaskStart = opt("cascade", "Where the pre-fatal prefix ends: 'cascade' (first failure of the fatal "
-                                           "run, released code) or 'kth' (the K-th failure, the paper's formula).")
+    prefix_end: MaskStart = opt("cascade", "Where the pre-fatal prefix ends: 'cascade' (first failure of the "
+                                           "fatal run: the paper's text and released code) or 'kth' (the K-th "
+                                           "failure).")
+    fmt_args: bool = opt(True, "r_fmt also scores 0 a parsed tool call the tool refuses as invalid_call (malformed "
+                               "arguments; the paper's text); False: parse failures only.")
     fmt_scope: FmtScope = opt("prefix", "r_fmt over the pre-fatal 'prefix' (docs/design.md) or the whole "
                                         "'episode', the fatal cascade's unparsable turns counted (see the module "
                                         "docstring).")
@@ -87,6 +93,13 @@ def prefix_turns(traj: Trajectory, prefix_end: MaskStart = "cascade") -> list[Tu
     """The assistant turns before the mask start (all of them when the trajectory is not fatal)."""
     end = mask_start(traj.fatal_cascade_start, traj.fatal_kth, prefix_end)
     return [t for t in traj.turns if t.index < end]
+
+
+def well_formed(turn: Turn, args: bool = True) -> bool:
+    """What r_fmt counts: a turn that parses and, with ``args``, whose tool did not refuse its arguments."""
+    if turn.action == "invalid":
+        return False
+    return not (args and turn.action == "tool_call" and turn.error_kind == "invalid_call")
 
 
 def content_words(text: str) -> list[str]:
@@ -189,7 +202,7 @@ async def score_trajectory(traj: Trajectory, question: Mapping[str, Any], cfg: R
         raise ConfigError("query_scorer='llm' needs a process_judge")
     prefix = prefix_turns(traj, cfg.prefix_end)
     scored = prefix if cfg.fmt_scope == "prefix" else list(traj.turns)
-    traj.r_fmt = sum(t.action != "invalid" for t in scored) / len(scored) if scored else 0.0
+    traj.r_fmt = sum(well_formed(t, cfg.fmt_args) for t in scored) / len(scored) if scored else 0.0
     traj.judge_status = "ok"
     answer = str(question.get("answer", traj.answer))
     aliases = list(question.get("answer_aliases") or traj.answer_aliases)
