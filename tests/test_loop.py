@@ -22,6 +22,7 @@ from osvl.models.load import load_processor
 from osvl.models.tiny import tiny_checkpoint
 from osvl.tools.base import Tool, ToolResult
 from osvl.tools.client import InProcessTransport, ToolClient
+from osvl.tools.outages import OutageConfig, draw_outage, with_outages
 from osvl.tools.registry import all_tools
 
 QUESTION = "Which tower is this?"
@@ -57,12 +58,13 @@ CROP = call("crop", image="img_1", x=10, y=20, width=256, height=256)
 ANSWER = fmt.assistant_text("done", response="Eiffel Tower")
 
 
-def run(processor, turns: list[str], store: dict | None = None, **cfg):
-    client = ToolClient(InProcessTransport(TOOLS))
+def run(processor, turns: list[str], store: dict | None = None, outages: OutageConfig | None = None, seed: int = 0,
+        **cfg):
+    client = with_outages(ToolClient(InProcessTransport(TOOLS)), outages)
     teacher = ScriptedTeacher({QUESTION: turns})
     row = {"id": "q1", "question": QUESTION, "answer": "Eiffel Tower", "answer_aliases": ["La tour Eiffel"]}
     return asyncio.run(run_episode(teacher, row, [picture()], client, AgentConfig(**cfg), processor=processor,
-                                   tools=SCHEMAS, group_id="g", image_store=store))
+                                   tools=SCHEMAS, group_id="g", image_store=store, seed=seed))
 
 
 def collapse_pads(text: str) -> str:
@@ -129,6 +131,34 @@ def test_continue_past_the_fatal_step_and_counted_kinds(processor):
     t = run(processor, [FAIL, FAIL, FAIL, ANSWER], fatal_kinds=["invalid_call"])
     assert t.fatal_kth == -1 and t.stop_reason == "response" and not any(x.failed for x in t.turns)
     assert all(x.status == "error" for x in t.turns[:3])
+
+
+def test_outages_are_seeded_recorded_typed_and_fatal_in_a_burst_of_k(processor):
+    cfg = OutageConfig(rate=1.0, burst=3, kind="timeout", seed=7)
+    # the scripted agent calls a tool on turns 0-3 and answers on turn 4: an episode seed whose outage starts at turn 1
+    seed = next(s for s in range(200) if draw_outage(cfg, s, 8).start == 1)
+    t = run(processor, [OK, OK, OK, OK, ANSWER], outages=cfg, seed=seed)
+    assert [x.error_kind for x in t.turns] == [None, "timeout", "timeout", "timeout"]
+    assert (t.fatal_cascade_start, t.fatal_kth, t.stop_reason) == (1, 3, "fatal")
+    assert "outage:turns 1-3:timeout:all" in t.events and "outage (injected" in t.turns[1].observation
+    assert run(processor, [OK, OK, OK, OK, ANSWER], outages=cfg, seed=seed).events == t.events  # seeded
+    # an outage of another tool, or one that ends before K failures, is not fatal; off by default
+    crop_only = OutageConfig(rate=1.0, burst=3, tools=["crop"], seed=7)
+    t = run(processor, [OK, OK, OK, OK, ANSWER], outages=crop_only, seed=seed)
+    assert t.stop_reason == "response" and not any(x.failed for x in t.turns)
+    short = OutageConfig(rate=1.0, burst=2, kind="unavailable", seed=7)
+    t = run(processor, [OK, OK, OK, OK, ANSWER], outages=short, seed=seed)
+    assert [x.error_kind for x in t.turns] == [None, "unavailable", "unavailable", None, None] and t.fatal_kth == -1
+    assert not any(e.startswith("outage") for e in run(processor, [OK, ANSWER]).events)
+    # the rate is the share of episodes with an outage, each a function of (seed, episode seed) alone
+    draws = [draw_outage(OutageConfig(rate=0.3, seed=1), s, 8) for s in range(2000)]
+    assert 0.26 < sum(d is not None for d in draws) / 2000 < 0.34
+    assert {d.start for d in draws if d is not None} == set(range(8))
+    assert draws[:50] == [draw_outage(OutageConfig(rate=0.3, seed=1), s, 8) for s in range(50)]
+    assert draws[:50] != [draw_outage(OutageConfig(rate=0.3, seed=2), s, 8) for s in range(50)]
+    for bad in (OutageConfig(rate=1.5), OutageConfig(burst=0), OutageConfig(kind="tool_error")):
+        with pytest.raises(ConfigError):
+            with_outages(ToolClient(InProcessTransport(TOOLS)), bad)
 
 
 def test_turn_limit(processor):

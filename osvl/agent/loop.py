@@ -19,6 +19,10 @@ failed steps of the counted kinds; the first such run records ``fatal_cascade_st
 ``fatal_kth`` (0-based turn indices) and, with ``stop_on_fatal`` (default, as the released
 code), ends the episode right after the K-th failure.
 
+Tool outages (``osvl.tools.outages``): when ``client`` is an ``OutageClient``, the episode's
+seeded outage (if any) is recorded as an ``outage:...`` event, and each tool call inside its
+window fails with the injected kind instead of reaching the tool: a failed step like any other.
+
 Budgets: ``max_turns`` assistant turns, ``max_new_tokens`` per turn, ``max_episode_tokens``
 for the whole sequence (a turn may generate at most what is left). Stop reasons: response,
 max_turns, max_tokens (no room left to generate), fatal, context_overflow.
@@ -50,6 +54,7 @@ from osvl.agent.trajectory import Trajectory, TrajectoryBuilder, Turn, image_tok
 from osvl.config import opt
 from osvl.errors import TOOL_ERROR_KINDS, ConfigError, ParseError
 from osvl.tools.client import ToolClient
+from osvl.tools.outages import OutageClient
 
 Overflow = Literal["downscale", "stop"]
 OVERFLOW_POLICIES = get_args(Overflow)
@@ -70,7 +75,8 @@ class AgentConfig:
     k: int = opt(3, "Consecutive failed steps that make a trajectory fatal (K).")
     fatal_kinds: list[str] = opt(list(TOOL_ERROR_KINDS), "Failure kinds that count toward K.")
     stop_on_fatal: bool = opt(True, "End the episode at the K-th consecutive failure (released code).")
-    temperature: float = opt(1.0, "Sampling temperature; 0 = greedy. RL: 1.0 with no top-p/top-k.")
+    temperature: float = opt(0.7, "Sampling temperature; 0 = greedy. RL: 0.7 (the paper's configuration table), no "
+                                  "top-p/top-k; the learner scores log-probs at the same temperature.")
     overflow: Overflow = opt("downscale", "When a tool answer would overflow max_episode_tokens: 'downscale' its "
                                      "images, else end with context_overflow; or 'stop' at once.")
 
@@ -130,7 +136,7 @@ def _episode_id(question_id: str, group_id: str, sample: int, seed: int) -> str:
 
 
 async def run_episode(engine: TokenEngine | ChatEngine, question: Mapping[str, Any], images: list[np.ndarray],
-                      client: ToolClient, cfg: AgentConfig, *, processor: Any, tools: list[dict],
+                      client: ToolClient | OutageClient, cfg: AgentConfig, *, processor: Any, tools: list[dict],
                       seed: int = 0, group_id: str = "", sample: int = 0,
                       image_store: dict[str, np.ndarray] | None = None, system: str | None = None) -> Trajectory:
     """Run one episode of ``question`` (a synth row) on ``images`` and return its trajectory (rewards unset).
@@ -157,6 +163,9 @@ async def run_episode(engine: TokenEngine | ChatEngine, question: Mapping[str, A
     stop_reason = ""
     final_answer = None
     fatal = None
+    outage = client.outage(seed, cfg.max_turns) if isinstance(client, OutageClient) else None
+    if outage is not None:
+        events.append(outage.event())
 
     names = [f"img_{i + 1}" for i in range(len(images))]
     head = [{"role": "system", "content": system}] if system is not None else []
@@ -214,7 +223,10 @@ async def run_episode(engine: TokenEngine | ChatEngine, question: Mapping[str, A
                 break
             turn.action, turn.tool, turn.arguments = "tool_call", parsed.name, parsed.arguments
             first = f"img_{len(episode) + 1}"
-            result = await client.call(parsed.name, parsed.arguments, dict(episode), new_image_name=first)
+            if outage is not None and outage.covers(t, parsed.name):
+                result = outage.result(parsed.name)
+            else:
+                result = await client.call(parsed.name, parsed.arguments, dict(episode), new_image_name=first)
             turn.status = result.status
             turn.observation = result.text
             if not result.ok:

@@ -43,6 +43,7 @@ from osvl.endpoint import EndpointConfig
 from osvl.errors import ConfigError, DataError
 from osvl.logs import Progress
 from osvl.tools.cache import CacheMode
+from osvl.tools.outages import OutageConfig, with_outages
 from osvl.tools.text_search import TextSearchConfig
 
 logger = logging.getLogger(__name__)
@@ -92,6 +93,8 @@ class EvalConfig:
     tool_cache_root: str = opt("", "Cache folder; empty = <run.root>/eval/tool_cache (shared by eval runs).",
                                hashed=False)
     tool_latency_s: float = opt(0.0, "Simulated extra latency per tool call (benchmarks), seconds.")
+    outages: OutageConfig = opt(OutageConfig, "Seeded tool outages (osvl/tools/outages.py), agentic mode: how an "
+                                "agent copes with flaky tools; off by default.")
     num_actors: int = opt(1, "Ray actors, each with one model and tool client.", hashed=False)
     cpus_per_actor: float = opt(1.0, "CPUs reserved per actor.", hashed=False)
     inflight: int = opt(16, "Items each actor runs concurrently.", hashed=False)
@@ -101,6 +104,7 @@ class EvalConfig:
 def check(cfg: EvalConfig) -> None:
     if not cfg.benchmarks:
         raise ConfigError("no benchmarks: pass --benchmarks=FILE[,FILE]")
+    cfg.outages.check()
     bad = sorted(set(cfg.modes) - set(MODES))
     if bad or not cfg.modes:
         raise ConfigError(f"modes must be a non-empty subset of {MODES}, got {cfg.modes}")
@@ -205,7 +209,7 @@ class EvalWorker:
             client = ToolClient(CachedInProcess(self.cfg.tool_cache, cache_root))
         if self.cfg.tool_latency_s > 0:
             client = MeteredClient(client, self.cfg.tool_latency_s)
-        return AliasClient(client, names) if names else client
+        return with_outages(AliasClient(client, names) if names else client, self.cfg.outages)
 
     async def _one(self, item: dict[str, Any], mode: str) -> dict[str, Any]:
         from osvl.agent.evaluate import evaluate_item

@@ -41,6 +41,7 @@ from osvl.cluster import interpreter_env, role_resources
 from osvl.config import opt
 from osvl.endpoint import EndpointConfig
 from osvl.errors import ConfigError
+from osvl.tools.outages import OutageConfig, with_outages
 from osvl.tools.text_search import TextSearchConfig
 
 
@@ -72,6 +73,9 @@ class RolloutConfig:
         "SFT records were made with, which the GRPO job hands to the trajectories job it runs. With tools=handle the "
         "Serve app's settings apply (serve/).")
     tool_latency_s: float = opt(0.0, "Extra simulated latency added to every tool call (benchmarks), seconds.")
+    outages: OutageConfig = opt(OutageConfig, "Seeded tool outages in the rollouts (osvl/tools/outages.py): the flaky "
+                                "web tools fatal-step masking exists for; off by default. Held-out evaluation runs "
+                                "without them.")
     agent: AgentConfig = opt(AgentConfig, "Budgets and fatal-step rules of every episode (the section the "
                              "trajectories job's agent: is).")
     reward: RewardConfig = opt(RewardConfig, "How every episode is scored (the section the trajectories job's "
@@ -88,6 +92,7 @@ class RolloutConfig:
     def check(self) -> None:
         self.agent.check()
         self.reward.check()
+        self.outages.check()
         if self.reward.uses_llm():
             self.judge.check("rollout.judge")
         self.runtime_env()  # a wrong interpreter fails here, before any stage
@@ -167,7 +172,7 @@ class RolloutWorker:
         client = make_client(self.cfg.tools)
         if self.cfg.tool_latency_s > 0 or self.rec is not None:
             client = MeteredClient(client, self.cfg.tool_latency_s, self.rec)
-        return client
+        return with_outages(client, self.cfg.outages)
 
     def _judges(self) -> tuple[Any, Any]:
         """The LLM judges ``rollout.reward`` asks for, on one endpoint client (None where the rule scores).

@@ -59,6 +59,7 @@ from osvl.errors import ConfigError, DataError, EndpointUnavailable
 from osvl.models.tiny import TinyKind, checkpoint_name
 from osvl.synth.walks import Split
 from osvl.tools.cache import CacheMode
+from osvl.tools.outages import OutageConfig, with_outages
 from osvl.tools.text_search import TextSearchConfig
 
 logger = logging.getLogger(__name__)
@@ -85,6 +86,8 @@ class ToolOptions:
                      hashed=False)
     cache_dir: str = opt("", "Tool-cache recordings folder; empty = <OSVL_CACHE or run root>/cache/tool_calls.",
                          hashed=False)
+    outages: OutageConfig = opt(OutageConfig, "Seeded tool outages (osvl/tools/outages.py); off by default. Records "
+                                "with an injected failure show how the teacher recovers, or die as the policy's would.")
 
 
 def _agent_defaults() -> AgentConfig:
@@ -244,7 +247,8 @@ class ShardWorker:
         store: dict[str, np.ndarray] = {}
         from osvl.tools.client import CachedInProcess, ToolClient
 
-        client = ToolClient(CachedInProcess(cfg.tools.cache, cfg.tools.cache_dir), timeout_s=120.0)
+        client = with_outages(ToolClient(CachedInProcess(cfg.tools.cache, cfg.tools.cache_dir), timeout_s=120.0),
+                              cfg.tools.outages)
 
         async def rollout(row: dict[str, Any], image: np.ndarray, k: int) -> Any:
             from osvl.agent.teacher import PathOracle
