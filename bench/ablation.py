@@ -17,8 +17,18 @@ Per mode, over seeds (mean and standard error; a single seed has no error):
 - ``fatal_positive``: of the fatal trajectories with a non-zero advantage, the share whose advantage
   was positive (before any clamp: counted in every mode, the README's "clamp split").
 
+Against ``vanilla`` (``vs_vanilla``, when it ran): each mode's paired difference per seed with a t-based
+95% interval (``osvl.rl.report.paired_interval``: seed s of two modes shares its questions, sampling
+seeds and outages), and for Pass@1 a question-level bootstrap interval of the same difference (2,000
+resamples of the held-out questions, the seeds' differences averaged in each): the seed interval leaves
+out the error of having these questions, the bootstrap the error of these seeds.
+
+``--outages=RATE`` turns on the rollouts' seeded tool outages (``rollout.outages``, osvl/tools/outages.py:
+an episode meets one with probability RATE, 3 turns of every tool failing ``unavailable``); seed s
+meets the same outages in every mode. Held-out Pass@1 is measured without them.
+
     .venv/bin/python bench/ablation.py [--steps=25] [--seeds=3] [--modes=vanilla,fatal_mask_clamp]
-                                       [--scripted] [--section.key=value ...]
+                                       [--outages=0.3] [--scripted] [--section.key=value ...]
 
 25 steps by default, not the demo's 40: 12 runs of 40 steps do not fit the 120 minutes the
 benchmark is given on a 2-core machine (README, "Fatal-aware asynchronous GRPO", has the timings).
@@ -69,14 +79,14 @@ def one_run(cfg, mode: str, seed: int, model: Path, qdir: Path, questions: list[
     t0 = time.perf_counter()
     res = train(parts, model, questions, qdir / "images", out, log=lambda m: None)
     s = summarize(res["rows"])
-    pass1 = float("nan")
+    pass1, scores = float("nan"), []
     if heldout and res["checkpoint"]:
         scores = heldout_scores(Path(res["checkpoint"]) / "hf", heldout, qdir / "images", cfg.rollout,
                                 cfg.eval.concurrency, workers=cfg.eval.workers)["agentic"]
         pass1 = statistics.fmean(scores)
     split = s["clamped"] + s["kept_positive"]
     return {"mode": mode, "seed": seed, "rewards": [r["reward"] for r in res["rows"]], "reward_last10": s["last_mean"],
-            "pass1": pass1, "fatal_rate": s["fatal_rate"],
+            "pass1": pass1, "scores": scores, "fatal_rate": s["fatal_rate"],
             "fatal_positive": s["kept_positive"] / split if split else float("nan"),
             "dropped": res["buffer"]["dropped"], "seconds": time.perf_counter() - t0}
 
@@ -90,10 +100,10 @@ def main() -> None:
     from osvl.rl.trainer import heldout_questions, read_questions
 
     flag, job_args = script_flags(sys.argv[1:], {"steps": 25, "seeds": 3, "modes": ",".join(MODES),
-                                                 "scripted": False}, rest=True)
+                                                 "outages": 0.0, "scripted": False}, rest=True)
     steps, seeds, modes = flag["steps"], flag["seeds"], flag["modes"].split(",")
     tmp = tempfile.TemporaryDirectory(prefix="osvl-bench-ablation-")
-    extra = [f"--train.steps={steps}", "--train.ckpt_every=100000"]
+    extra = [f"--train.steps={steps}", "--train.ckpt_every=100000", f"--rollout.outages.rate={flag['outages']}"]
     if flag["scripted"]:
         from osvl.agent.scripted import question_folder, tiny_agent_checkpoint
 
@@ -133,6 +143,11 @@ def main() -> None:
                        for k in ("reward_last10", "pass1", "fatal_rate", "fatal_positive")}
         row = ", ".join(f"{k} {_fmt(v)}" for k, v in table[mode].items())
         print(f"{mode:17s} {row}", flush=True)
+    if "vanilla" in modes:
+        for mode in modes:
+            if mode != "vanilla":
+                table[mode]["vs_vanilla"] = versus(runs, mode, "vanilla")
+                print(f"{mode:17s} - vanilla: {json.dumps(table[mode]['vs_vanilla'])}", flush=True)
     png = reward_curves({m: [r["rewards"] for r in runs if r["mode"] == m] for m in modes},
                         out / "ablation_rewards.png", title=f"GRPO reward per step ({seeds} seeds per mode)")
     print(f"reward curves: {png}", flush=True)
@@ -146,8 +161,28 @@ def main() -> None:
     else:
         ratio = round(clamp / van, 3)
     tmp.cleanup()
-    print(json.dumps({"ratio": ratio, "note": note, "steps": steps, "seeds": seeds, "pass1_sft": pass1_sft,
+    print(json.dumps({"ratio": ratio, "note": note, "steps": steps, "seeds": seeds, "outages": flag["outages"],
+                      "pass1_sft": pass1_sft,
                       "heldout": len(heldout), "modes": table, "png": str(png), "load": os.getloadavg()[0]}))
+
+
+def versus(runs: list[dict], mode: str, base: str, resamples: int = 2000) -> dict:
+    """``mode`` - ``base`` paired by seed (t interval), and Pass@1's question-level bootstrap interval."""
+    import numpy as np
+
+    from osvl.rl.report import paired_interval
+
+    by_seed = {r["seed"]: r for r in runs if r["mode"] == base}
+    pairs = [(r, by_seed[r["seed"]]) for r in runs if r["mode"] == mode and r["seed"] in by_seed]
+    out = {k: paired_interval([a[k] for a, _ in pairs], [b[k] for _, b in pairs]) for k in ("reward_last10", "pass1")}
+    diffs = np.array([np.asarray(a["scores"], float) - np.asarray(b["scores"], float) for a, b in pairs
+                      if a["scores"] and len(a["scores"]) == len(b["scores"])])
+    if len(diffs):
+        rng = np.random.default_rng(0)
+        boot = [diffs[:, rng.integers(0, diffs.shape[1], diffs.shape[1])].mean() for _ in range(resamples)]
+        out["pass1_bootstrap"] = {"diff": float(diffs.mean()), "lo": float(np.percentile(boot, 2.5)),
+                                  "hi": float(np.percentile(boot, 97.5)), "questions": int(diffs.shape[1])}
+    return out
 
 
 def _fmt(v: dict) -> str:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 
 @dataclass
@@ -148,35 +149,51 @@ def training_curves(log_file: str | Path, panels: list[tuple[str, list[str]]], o
     return Path(out)
 
 
+def _mean_band(ax: Any, runs: list[list[float]], label: str) -> None:
+    """The mean over runs of each point, shaded ± one standard error (one run draws no band)."""
+    steps = min(len(r) for r in runs)
+    means, ses = [], []
+    for i in range(steps):
+        xs = [r[i] for r in runs]
+        m = sum(xs) / len(xs)
+        var = sum((x - m) ** 2 for x in xs) / (len(xs) - 1) if len(xs) > 1 else 0.0
+        means.append(m)
+        ses.append(math.sqrt(var / len(xs)))
+    x = list(range(1, steps + 1))
+    ax.plot(x, means, label=f"{label} ({len(runs)} seeds)")
+    low = [m - s for m, s in zip(means, ses, strict=True)]
+    ax.fill_between(x, low, [m + s for m, s in zip(means, ses, strict=True)], alpha=0.2)
+
+
 def reward_curves(curves: dict[str, list[list[float]]], path: str | Path,
                   title: str = "GRPO reward per step") -> Path:
     """One line per mode: the mean over seeds of each step's reward, shaded ± one standard error.
 
     ``curves[mode]`` holds one list of per-step rewards per seed (equal lengths); one seed draws no band.
     """
+    return curve_grid({title: curves}, path, xlabel="learner step", ylabel="mean reward")
+
+
+def curve_grid(panels: dict[str, dict[str, list[list[float]]]], path: str | Path, xlabel: str, ylabel: str,
+               columns: int = 2) -> Path:
+    """One panel per key (its title), one line per mode in it: mean over seeds ± one standard error."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6.0, 3.6))
-    for mode, runs in curves.items():
-        steps = min(len(r) for r in runs)
-        means, ses = [], []
-        for i in range(steps):
-            xs = [r[i] for r in runs]
-            m = sum(xs) / len(xs)
-            var = sum((x - m) ** 2 for x in xs) / (len(xs) - 1) if len(xs) > 1 else 0.0
-            means.append(m)
-            ses.append(math.sqrt(var / len(xs)))
-        x = list(range(1, steps + 1))
-        ax.plot(x, means, label=f"{mode} ({len(runs)} seeds)")
-        low = [m - s for m, s in zip(means, ses, strict=True)]
-        ax.fill_between(x, low, [m + s for m, s in zip(means, ses, strict=True)], alpha=0.2)
-    ax.set_xlabel("learner step")
-    ax.set_ylabel("mean reward")
-    ax.set_title(title)
-    ax.legend(fontsize=8)
+    cols = min(columns, len(panels))
+    rows = math.ceil(len(panels) / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(6.0 * cols, 3.6 * rows), squeeze=False)
+    for ax, (title, curves) in zip(axes.flat, panels.items(), strict=False):
+        for mode, runs in curves.items():
+            _mean_band(ax, runs, mode)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+        ax.set_title(title)
+        ax.legend(fontsize=8)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.set_visible(False)
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
