@@ -247,6 +247,38 @@ def test_a_version_lands_between_steps_and_the_turn_keeps_its_oldest(engine):
     assert engine.stats["steps"] - steps0 > steps_at[1] - steps0  # decoding went on after the update
 
 
+def test_a_cancelled_turn_is_aborted_before_the_next_step(engine):
+    """A caller that goes away (a streaming client that disconnected) costs no more tokens: the engine drops
+    its row at the next decoding step, while another turn in the same batch runs on."""
+    import time
+
+    ids = engine.tokenizer("The animal shown lives in")["input_ids"]
+    sampling = Sampling(temperature=0.0, max_new_tokens=400, stop_token_ids=[-1])
+    aborted0 = engine.stats["aborted"]
+
+    async def go() -> tuple[int, object]:
+        doomed = asyncio.ensure_future(engine.generate(GenRequest(list(ids), [], [], sampling)))
+        other = asyncio.ensure_future(engine.generate(GenRequest(list(ids), [], [], Sampling(
+            temperature=0.0, max_new_tokens=60, stop_token_ids=[-1]))))
+        steps0 = engine.stats["steps"]
+        while engine.stats["steps"] < steps0 + 5:
+            await asyncio.sleep(0.001)
+        doomed.cancel()
+        steps_at_cancel = engine.stats["steps"]
+        res = await other
+        deadline = time.monotonic() + 10
+        while engine.stats["running"] and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        return steps_at_cancel, res
+
+    steps_at_cancel, res = asyncio.run(go())
+    assert len(res.token_ids) == 60  # the other turn ran to its end
+    assert engine.stats["aborted"] == aborted0 + 1 and engine.stats["running"] == 0
+    # the doomed turn would have run 400 steps; it stopped within a couple of steps of the cancel (the other
+    # turn's 60 bound how long the engine kept stepping)
+    assert engine.stats["steps"] - steps_at_cancel < 60
+
+
 def test_a_tied_model_takes_the_state_dict_a_learner_sends(tmp_path):
     """A tied model's state dict names lm_head.weight, which its default parameter list leaves out: the update
     must take it (the rollout of a policy fine-tuned from jobs/pretrain_tiny.py waited forever on this)."""

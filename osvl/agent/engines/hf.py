@@ -136,7 +136,7 @@ class HFEngine:
         self._cache_kw = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
         self.store = PrefixStore(cache_tokens) if prefix_cache else None
         self.stats = {"batches": 0, "requests": 0, "max_batch_seen": 0, "steps": 0, "row_steps": 0,
-                      "prefill_tokens": 0, "cached_tokens": 0}
+                      "prefill_tokens": 0, "cached_tokens": 0, "aborted": 0, "running": 0}
         self._inbox: queue.Queue = queue.Queue()
         self._broken = ""  # why generation is paused (a version that broke part way), else ""
         self._thread: threading.Thread | None = None
@@ -145,7 +145,9 @@ class HFEngine:
     # -- callers' side ----------------------------------------------------------
 
     async def generate(self, req: GenRequest) -> GenResult:
-        """Queue one turn; resolves when its row stops (the stop token, or its token budget)."""
+        """Queue one turn; resolves when its row stops (the stop token, or its token budget). Cancelling the
+        awaiting task aborts the turn: the engine drops its row before its next decoding step (a client that
+        went away costs no more tokens; ``stats["aborted"]`` counts them, ``stats["running"]`` the live rows)."""
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
         self._start()
@@ -200,6 +202,7 @@ class HFEngine:
         with torch.no_grad():  # grad mode is per thread
             while True:
                 live = batch.live() if batch is not None else 0
+                self.stats["running"] = live
                 # idle, or paused by a version that broke part way: block until something arrives
                 items = [] if (live or waiting or updates) and not self._broken else [self._inbox.get()]
                 while True:
@@ -232,6 +235,14 @@ class HFEngine:
                         batch = None
                 if self._broken:
                     continue
+                aborted = [w for w in waiting if w[1][1].cancelled()]
+                if aborted:
+                    waiting = [w for w in waiting if not w[1][1].cancelled()]
+                for row in batch.rows if batch is not None else []:
+                    if not row.finish and row.future is not None and row.future[1].cancelled():
+                        row.finish = "aborted"
+                        aborted.append(row)
+                self.stats["aborted"] += len(aborted)
                 # admitting costs a prefill and a re-layout of the running batch: gather a few arrivals first
                 # (a quarter of the live rows, or ADMIT_AFTER steps of waiting), never hold anyone when idle
                 held = held + 1 if waiting and live else 0
@@ -244,6 +255,9 @@ class HFEngine:
                     except Exception as e:  # noqa: BLE001 - the admitted turns fail, the running ones go on
                         for _, fut in admit:
                             resolve_future(fut, None, e)
+                if batch is not None and not batch.live() and batch.rows:
+                    self._drop_finished(batch)
+                self.stats["running"] = batch.live() if batch is not None else 0
                 if batch is not None and batch.live():
                     try:
                         self._step(batch)
