@@ -136,12 +136,13 @@ def init_ray(address: str | None = None, num_cpus: int | None = None, *,
     )
 
 
-def start_serve(http_port: int | None = None) -> int:
-    """Start Ray Serve's HTTP proxy on loopback; returns the port it listens on."""
+def start_serve(http_port: int | None = None, host: str = LOOPBACK) -> int:
+    """Start Ray Serve's HTTP proxy (on loopback unless a service's ``host`` says otherwise, which then
+    needs its token); returns the port it listens on."""
     from ray import serve
 
     port = http_port or free_port()
-    serve.start(http_options={"host": LOOPBACK, "port": port})
+    serve.start(http_options={"host": host, "port": port})
     return port
 
 

@@ -11,13 +11,31 @@ content is the final answer, plus one extra top-level field, ``osvl_trajectory``
      "turns": [{"text": ..., "action": "tool_call", "tool": "text_search", "arguments": {...},
                 "status": "ok", "error_kind": "", "observation": "..."}, ...]}
 
-Only the last user message is read (system messages and earlier turns are ignored: the
-agent brings its own system prompt); text parts that are only an image name (``img_1``, as
-osvl's own OpenAI engine writes them) are dropped. Tools run through the tool app's Serve
-handles (``tools: handle``, the ``osvl_tools`` app of ``serve/app.py``) or in the replica
-(``inprocess``).
+One question per request: exactly one user message (system messages, earlier assistant or tool
+turns and several user messages are refused with a 400: the agent brings its own system prompt and
+has no memory of a conversation); text parts that are only an image name (``img_1``, as osvl's own
+OpenAI engine writes them) are dropped. Request fields: ``model``, ``messages``, ``stream`` and
+``stream_options``, ``temperature`` (honoured: 0 is greedy, the default), ``max_tokens`` /
+``max_completion_tokens`` (honoured as the cap on tokens the agent generates in one turn), ``n`` (1
+only) and ``user`` (ignored); any other field is refused with a 400 naming it (``unsupported_field``).
+Tools run through the tool app's Serve handles (``tools: handle``, the ``osvl_tools`` app of
+``serve/app.py``) or in the replica (``inprocess``).
 
-Security, the tool API's: it binds to 127.0.0.1, takes the same bearer token (the
+``finish_reason`` (``FINISH_REASONS``): ``stop`` when the agent answered; ``length`` when a budget ran
+out first (turns, tokens, or an image too large for the context); ``fatal`` (osvl's own value) when K
+steps in a row failed (tool errors or unparsable calls: a fatal episode). The last two come with an
+empty answer.
+
+Streaming (``"stream": true``): Server-Sent Events in the Chat Completions chunk format. The first chunk
+(``delta.role``) goes out before the episode starts; then one chunk per agent turn as soon as its tool
+answered, with an empty delta and the turn in the extension field ``osvl_event``; then the answer in
+content deltas; then a chunk with ``finish_reason``, ``usage`` and ``osvl_trajectory`` (its turns
+already sent, so only stop reason, fatal flag and events); then ``data: [DONE]``. A client that
+disconnects cancels the episode: its engine request is aborted (the HF engine drops the row at its next
+step, vLLM aborts the request).
+
+Security, the tool API's: it binds to 127.0.0.1 (``host`` moves it, and off loopback a token is
+required: the service refuses to start without one), takes the same bearer token (the
 variable named by ``token_env``; the tool API's check, imported), and image URLs are
 fetched only with ``fetch_urls``, through the tools' SSRF guard (``osvl.tools.web``).
 Bad requests get OpenAI-shaped errors (``{"error": {"type", "code", "message"}}``): 400
@@ -27,6 +45,7 @@ token, 404 unknown model, 413 body or image too large; the replica stays healthy
     python -m serve.agent_app --model=DIR --port=8001     # then any OpenAI client at http://127.0.0.1:8001/v1
 """
 
+import asyncio
 import base64
 import binascii
 import dataclasses
@@ -41,7 +60,7 @@ import uuid
 from typing import Any, Literal
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
 
 from osvl.agent.engines import EngineKind
@@ -49,10 +68,16 @@ from osvl.agent.loop import AgentConfig
 from osvl.config import from_dict, opt
 from osvl.errors import FetchRefused, InvalidCall, OsvlError
 from osvl.tools.client import MAX_PIXELS, decode_image
-from serve.app import SWALLOW_FACTOR, ToolAPI, serve_until_interrupted
+from serve.app import LOOPBACK_HOSTS, SWALLOW_FACTOR, ToolAPI, serve_until_interrupted
 
 AGENT_APP = "osvl_agent"
 _NAME_ONLY = re.compile(r"^\s*img_\d+\s*$")
+FINISH_REASONS = {"response": "stop", "max_turns": "length", "max_tokens": "length", "context_overflow": "length",
+                  "fatal": "fatal"}
+"""Episode stop reason -> the ``finish_reason`` the service answers with (module docstring)."""
+FIELDS = frozenset({"model", "messages", "stream", "stream_options", "temperature", "max_tokens",
+                    "max_completion_tokens", "n", "user"})
+"""Request fields the service reads; any other is refused (module docstring)."""
 
 
 @dataclasses.dataclass
@@ -74,6 +99,9 @@ class AgentServeConfig:
     max_images: int = opt(4, "Most images in one request.")
     token_env: str = opt("OSVL_TOOLS_TOKEN", "Environment variable holding the bearer token (the tool API's); "
                                              "when set where the app is built, every /v1 call must carry it.")
+    host: str = opt("127.0.0.1", "Address the HTTP proxy binds (python -m serve.agent_app); off loopback the "
+                                 "token (token_env) must be set, or the service refuses to start.")
+    tool_latency_s: float = opt(0.0, "Simulated extra latency per tool call, seconds (tests, benchmarks).")
 
 
 class BadRequest(OsvlError):
@@ -124,8 +152,28 @@ async def _image(url: Any, cfg: AgentServeConfig) -> Any:
         raise BadRequest(400, "unreadable_image", str(e)) from None
 
 
-async def parse_request(raw: bytes, cfg: AgentServeConfig) -> tuple[str, list[Any]]:
-    """(question, images) of a chat-completions body, or ``BadRequest``."""
+@dataclasses.dataclass
+class ChatRequest:
+    """What the service takes from one chat-completions body."""
+
+    question: str
+    images: list[Any]
+    stream: bool
+    agent: AgentConfig  # the config's, with the request's temperature and max_tokens
+
+
+def _number(body: dict[str, Any], key: str, low: float, high: float, integer: bool = False) -> float | None:
+    value = body.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int if integer else (int, float)) or not low <= value <= high:
+        kind = "an integer" if integer else "a number"
+        raise BadRequest(400, "invalid_field", f"{key} must be {kind} in [{low:g}, {high:g}], got {value!r}")
+    return value
+
+
+async def parse_request(raw: bytes, cfg: AgentServeConfig) -> ChatRequest:
+    """The ``ChatRequest`` of a chat-completions body, or ``BadRequest``."""
     try:
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:
@@ -135,14 +183,27 @@ async def parse_request(raw: bytes, cfg: AgentServeConfig) -> tuple[str, list[An
     if body.get("model") != cfg.name:
         raise BadRequest(404, "model_not_found", f"unknown model {body.get('model')!r}; this service serves "
                                                  f"{cfg.name!r}")
-    if body.get("stream"):
-        raise BadRequest(400, "stream_unsupported", "stream=true is not supported")
+    unknown = sorted(set(body) - FIELDS)
+    if unknown:
+        raise BadRequest(400, "unsupported_field", f"unsupported request field(s) {unknown}; this service reads "
+                                                   f"{sorted(FIELDS)}")
+    _number(body, "n", 1, 1, integer=True)  # one answer per request
+    temperature = _number(body, "temperature", 0.0, 2.0)
+    max_tokens = _number(body, "max_completion_tokens", 1, 1 << 20, integer=True)
+    max_tokens = max_tokens if max_tokens is not None else _number(body, "max_tokens", 1, 1 << 20, integer=True)
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise BadRequest(400, "invalid_field", f"stream must be true or false, got {stream!r}")
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
         raise BadRequest(400, "invalid_messages", "messages must be a non-empty list of objects")
     users = [m for m in messages if m.get("role") == "user"]
     if not users:
         raise BadRequest(400, "no_user_message", "no message with role 'user'")
+    others = sorted({str(m.get("role")) for m in messages} - {"user"})
+    if others or len(users) > 1:
+        raise BadRequest(400, "unsupported_conversation", "one user message per request: the agent brings its own "
+                         f"system prompt and answers one question (got roles {[m.get('role') for m in messages]})")
     content = users[-1].get("content")
     parts = [{"type": "text", "text": content}] if isinstance(content, str) else content
     if not isinstance(parts, list) or not all(isinstance(p, dict) for p in parts):
@@ -163,14 +224,34 @@ async def parse_request(raw: bytes, cfg: AgentServeConfig) -> tuple[str, list[An
                                           "about an image")
     if len(urls) > cfg.max_images:
         raise BadRequest(413, "too_many_images", f"{len(urls)} images; at most {cfg.max_images}")
-    return question, [await _image(u, cfg) for u in urls]
+    agent = dataclasses.replace(cfg.agent)
+    if temperature is not None:
+        agent.temperature = float(temperature)
+    if max_tokens is not None:
+        agent.max_new_tokens = min(agent.max_new_tokens, int(max_tokens))
+    return ChatRequest(question, [await _image(u, cfg) for u in urls], stream, agent)
 
 
-def trajectory_field(traj: Any) -> dict[str, Any]:
-    return {"stop_reason": traj.stop_reason, "fatal": traj.fatal_kth >= 0, "events": list(traj.events),
-            "turns": [{"text": t.text, "action": t.action, "tool": t.tool, "arguments": t.arguments,
-                       "status": t.status, "error_kind": t.error_kind, "observation": t.observation}
-                      for t in traj.turns]}
+def turn_field(t: Any) -> dict[str, Any]:
+    return {"index": t.index, "text": t.text, "action": t.action, "tool": t.tool, "arguments": t.arguments,
+            "status": t.status, "error_kind": t.error_kind, "observation": t.observation}
+
+
+def trajectory_field(traj: Any, turns: bool = True) -> dict[str, Any]:
+    out = {"stop_reason": traj.stop_reason, "fatal": traj.fatal_kth >= 0, "events": list(traj.events)}
+    if turns:
+        out["turns"] = [turn_field(t) for t in traj.turns]
+    return out
+
+
+def usage(traj: Any) -> dict[str, int]:
+    prompt = sum(1 for m in traj.gen_mask if not m)
+    completion = len(traj.gen_mask) - prompt
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def sse(payload: dict[str, Any] | str) -> str:
+    return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
 
 
 api = FastAPI(title="osvl agent", version="1", description="The osvl agent behind an OpenAI-compatible chat API.")
@@ -194,7 +275,12 @@ class AgentService:
 
             self.tools = [t.schema for t in agent_tools().values()]  # the short schemas it was fine-tuned with
         self.client = make_client(self.cfg.tools)
+        if self.cfg.tool_latency_s > 0:
+            from osvl.tools.client import MeteredClient
+
+            self.client = MeteredClient(self.client, self.cfg.tool_latency_s)
         self.served = 0
+        self.cancelled = 0  # episodes whose streaming client went away
 
     _authorized = ToolAPI.func_or_class._authorized  # the tool API's bearer check, not a copy
 
@@ -212,7 +298,10 @@ class AgentService:
 
     @api.get("/healthz")
     async def healthz(self) -> dict[str, Any]:
-        return {"status": "ok", "model": self.cfg.name, "served": self.served}
+        """Liveness, and what is running: ``engine_running`` = turns the engine is generating now."""
+        stats = getattr(self.engine, "stats", {})
+        return {"status": "ok", "model": self.cfg.name, "served": self.served, "cancelled": self.cancelled,
+                "engine_running": stats.get("running", 0), "engine_aborted": stats.get("aborted", 0)}
 
     @api.get("/v1/models")
     async def models(self, request: Request) -> JSONResponse:
@@ -221,31 +310,66 @@ class AgentService:
         return JSONResponse({"object": "list", "data": [{"id": self.cfg.name, "object": "model",
                                                          "owned_by": "osvl"}]})
 
-    @api.post("/v1/chat/completions")
-    async def chat(self, request: Request) -> JSONResponse:
+    def _episode(self, req: ChatRequest, qid: str, on_turn: Any = None) -> Any:
         from osvl.agent.loop import run_episode
 
+        return run_episode(self.engine, {"id": qid, "question": req.question}, req.images, self.client, req.agent,
+                           processor=self.engine.processor, tools=self.tools, on_turn=on_turn)
+
+    @api.post("/v1/chat/completions")
+    async def chat(self, request: Request) -> Any:
         if not self._authorized(request):
             return error(401, "invalid_token", "missing or wrong bearer token")
         try:
-            question, images = await parse_request(await self._read(request), self.cfg)
+            req = await parse_request(await self._read(request), self.cfg)
         except BadRequest as e:
             return error(e.status, e.code, str(e))
         qid = uuid.uuid4().hex[:12]
+        if req.stream:
+            return StreamingResponse(self._stream(req, qid), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
         try:
-            traj = await run_episode(self.engine, {"id": qid, "question": question}, images, self.client,
-                                     self.cfg.agent, processor=self.engine.processor, tools=self.tools)
+            traj = await self._episode(req, qid)
         except OsvlError as e:  # e.g. an image too large for the context even when downscaled
             return error(400, "episode_failed", f"{type(e).__name__}: {e}")
         self.served += 1
-        prompt = sum(1 for m in traj.gen_mask if not m)
-        completion = len(traj.gen_mask) - prompt
         return JSONResponse({
             "id": f"chatcmpl-{qid}", "object": "chat.completion", "created": int(time.time()), "model": self.cfg.name,
             "choices": [{"index": 0, "message": {"role": "assistant", "content": traj.final_answer or ""},
-                         "finish_reason": "stop" if traj.stop_reason == "response" else "length"}],
-            "usage": {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion},
-            "osvl_trajectory": trajectory_field(traj)})
+                         "finish_reason": FINISH_REASONS[traj.stop_reason]}],
+            "usage": usage(traj), "osvl_trajectory": trajectory_field(traj)})
+
+    async def _stream(self, req: ChatRequest, qid: str) -> Any:
+        """The episode as Server-Sent Events (module docstring); cancelled with the client's connection."""
+        head = {"id": f"chatcmpl-{qid}", "object": "chat.completion.chunk", "created": int(time.time()),
+                "model": self.cfg.name}
+
+        def chunk(delta: dict[str, Any], finish: str | None = None, **extra: Any) -> str:
+            return sse({**head, "choices": [{"index": 0, "delta": delta, "finish_reason": finish}], **extra})
+
+        turns: asyncio.Queue = asyncio.Queue()
+        task = asyncio.ensure_future(self._episode(req, qid, on_turn=turns.put_nowait))
+        task.add_done_callback(lambda _: turns.put_nowait(None))
+        try:
+            yield chunk({"role": "assistant", "content": ""})
+            while (turn := await turns.get()) is not None:
+                yield chunk({}, osvl_event=turn_field(turn))
+            try:
+                traj = task.result()
+            except OsvlError as e:
+                yield sse({"error": {"type": "invalid_request_error", "code": "episode_failed",
+                                     "message": f"{type(e).__name__}: {e}"}})
+                return
+            self.served += 1
+            for piece in re.findall(r"\S+\s*|\s+", traj.final_answer or ""):
+                yield chunk({"content": piece})
+            yield chunk({}, FINISH_REASONS[traj.stop_reason], usage=usage(traj),
+                        osvl_trajectory=trajectory_field(traj, turns=False))
+            yield sse("[DONE]")
+        finally:
+            if not task.done():  # the client went away: stop the episode, and with it its engine request
+                task.cancel()
+                self.cancelled += 1
 
 
 def make_agent_app(cfg: AgentServeConfig) -> serve.Application:
@@ -253,8 +377,18 @@ def make_agent_app(cfg: AgentServeConfig) -> serve.Application:
     from osvl.eval.job import resolve_model
 
     token = os.environ.get(cfg.token_env, "")
+    check_host(cfg)
     digest = hashlib.sha256(token.encode()).hexdigest() if token else ""
     return AgentService.bind(dataclasses.asdict(cfg), resolve_model(cfg.model), digest)
+
+
+def check_host(cfg: AgentServeConfig) -> None:
+    """``ConfigError`` when ``cfg.host`` is off loopback and no token is set (the tool API's rule)."""
+    from osvl.errors import ConfigError
+
+    if cfg.host not in LOOPBACK_HOSTS and not os.environ.get(cfg.token_env):
+        raise ConfigError(f"refusing to serve the agent on {cfg.host} without a bearer token: set {cfg.token_env} "
+                          "where the app is built, or keep host at 127.0.0.1")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -273,10 +407,11 @@ def main(argv: list[str] | None = None) -> None:
         else:
             cfg = apply_override(cfg, key, value)
     setup()  # info unless --log_level chose (or $OSVL_LOG_LEVEL)
+    check_host(cfg)
     init_ray()
-    port = start_serve(port or None)
+    port = start_serve(port or None, host=cfg.host)
     serve.run(make_agent_app(cfg), name=AGENT_APP, route_prefix="/")
-    logging.getLogger("serve.agent_app").info(f"osvl agent on http://127.0.0.1:{port}/v1 (model {cfg.name!r})")
+    logging.getLogger("serve.agent_app").info(f"osvl agent on http://{cfg.host}:{port}/v1 (model {cfg.name!r})")
     serve_until_interrupted()
 
 

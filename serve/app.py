@@ -686,6 +686,9 @@ def build_app(args: dict[str, Any]) -> serve.Application:
     return make_app(all_tools(), cfg)
 
 
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+
+
 def refuse_open_without_token(cfg: ServeConfig) -> None:
     """Raise ``ConfigError`` (one line) when Serve's HTTP proxy binds beyond loopback and no token is set.
 
@@ -702,7 +705,7 @@ def refuse_open_without_token(cfg: ServeConfig) -> None:
         client = _get_global_client(raise_if_no_controller_running=False)
         if client is not None:
             host = client.http_config.host
-    if host in (None, "127.0.0.1", "localhost", "::1") or os.environ.get(cfg.token_env):
+    if host in (None, *LOOPBACK_HOSTS) or os.environ.get(cfg.token_env):
         return
     from osvl.errors import ConfigError
 

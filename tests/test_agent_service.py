@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import base64
+import http.client
 import io
 import json
 import shutil
+import time
 import urllib.error
 import urllib.request
 
@@ -47,6 +49,26 @@ def agent(ray_cluster):
     os.environ.pop("OSVL_AGENT_TEST_TOKEN")
 
 
+@pytest.fixture(scope="module")
+def streaming_agent(agent):
+    """The tiny *agent* (it calls tools) as a second app on the same Serve instance, under /stream, with every
+    tool call 1.5 s slower: long enough to tell a chunk sent before a tool answered from one sent after."""
+    from ray import serve
+
+    from serve.agent_app import AgentServeConfig, make_agent_app
+
+    cfg = AgentServeConfig(model="tiny-agent", token_env="OSVL_AGENT_TEST_TOKEN", tool_latency_s=1.5)
+    cfg.agent.max_turns = 4
+    serve.run(make_agent_app(cfg), name="osvl_agent_stream", route_prefix="/stream")
+    yield agent + "/stream"
+    serve.delete("osvl_agent_stream")
+
+
+def health(url: str) -> dict:
+    with urllib.request.urlopen(url + "/healthz", timeout=30) as r:
+        return json.loads(r.read())
+
+
 def post(url: str, body: bytes, token: str | None = TOKEN) -> tuple[int, dict]:
     headers = {"Content-Type": "application/json"}
     if token is not None:
@@ -77,8 +99,10 @@ def test_the_openai_client_gets_an_answer_and_the_trajectory(agent):
     traj = out.model_extra["osvl_trajectory"]
     assert traj["turns"] and traj["stop_reason"] in ("response", "fatal", "max_turns", "max_tokens",
                                                      "context_overflow")
-    # the untrained tiny model's turns do not parse: each is answered with an error and the loop goes on
+    # the untrained tiny model's turns do not parse: each is answered with an error and the loop goes on, until
+    # the third in a row makes the episode fatal, which finish_reason says
     assert len(traj["turns"]) == 3 and traj["turns"][0]["error_kind"] == "invalid_call"
+    assert traj["stop_reason"] == "fatal" and out.choices[0].finish_reason == "fatal"
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=agent + "/v1", api_key="wrong", max_retries=0).chat.completions.create(
             model="osvl-agent", messages=[{"role": "user", "content": "hi"}])
@@ -117,8 +141,18 @@ BAD = [  # (why, body, token, expected status, expected code)
      "body_too_large"),
     ("too many images", user(TEXT, *[{"type": "image_url", "image_url": {"url": data_url()}}] * 5), TOKEN, 413,
      "too_many_images"),
-    ("stream", json.dumps({"model": "osvl-agent", "stream": True, "messages": [{"role": "user", "content": "x"}]})
-     .encode(), TOKEN, 400, "stream_unsupported"),
+    ("a field it does not read", json.dumps({"model": "osvl-agent", "top_p": 0.5, "messages": [
+        {"role": "user", "content": "x"}]}).encode(), TOKEN, 400, "unsupported_field"),
+    ("n=2", json.dumps({"model": "osvl-agent", "n": 2, "messages": [{"role": "user", "content": "x"}]}).encode(),
+     TOKEN, 400, "invalid_field"),
+    ("temperature 5", json.dumps({"model": "osvl-agent", "temperature": 5, "messages": [
+        {"role": "user", "content": "x"}]}).encode(), TOKEN, 400, "invalid_field"),
+    ("earlier turns", json.dumps({"model": "osvl-agent", "messages": [
+        {"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}, {"role": "user", "content": "z"}]})
+     .encode(), TOKEN, 400, "unsupported_conversation"),
+    ("a system message", json.dumps({"model": "osvl-agent", "messages": [
+        {"role": "system", "content": "be brief"}, {"role": "user", "content": "x"}]}).encode(), TOKEN, 400,
+     "unsupported_conversation"),
 ]
 
 
@@ -131,6 +165,91 @@ def test_bad_requests_get_typed_4xx_and_the_app_stays_healthy(agent):
         assert json.loads(r.read())["status"] == "ok"
     got, answer = post(agent, user(TEXT, {"type": "image_url", "image_url": {"url": data_url()}}))
     assert got == 200 and answer["choices"][0]["message"]["role"] == "assistant"
+
+
+@pytest.mark.slow
+def test_unsupported_fields_are_named_and_a_host_off_loopback_needs_the_token(agent, monkeypatch):
+    got, answer = post(agent, json.dumps({"model": "osvl-agent", "top_p": 0.5, "logprobs": True,
+                                          "messages": [{"role": "user", "content": "x"}]}).encode())
+    assert got == 400 and "'logprobs', 'top_p'" in answer["error"]["message"]
+    from osvl.errors import ConfigError
+    from serve.agent_app import AgentServeConfig, check_host
+
+    monkeypatch.delenv("OSVL_AGENT_OPEN_TOKEN", raising=False)
+    open_cfg = AgentServeConfig(host="0.0.0.0", token_env="OSVL_AGENT_OPEN_TOKEN")
+    with pytest.raises(ConfigError, match="without a bearer token"):
+        check_host(open_cfg)
+    monkeypatch.setenv("OSVL_AGENT_OPEN_TOKEN", "t")
+    check_host(open_cfg)  # with a token it may bind beyond loopback (not done here: tests stay on loopback)
+
+
+def scripted_picture_url() -> str:
+    """The first picture the tiny agent was fine-tuned on (osvl.agent.scripted), as a data URL: on it, greedy, the
+    agent crops, searches and answers; on a photo it has never seen it writes turns that do not parse."""
+    from osvl.agent.scripted import PLANS, picture
+
+    assert PLANS[0][0] == EIFFEL_QUESTION["text"]
+    buf = io.BytesIO()
+    Image.fromarray(picture(0)).save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+EIFFEL_QUESTION = {"type": "text", "text": "Which tower is shown in the image?"}
+
+
+@pytest.mark.slow
+def test_streaming_sends_turns_as_they_happen_then_the_answer(streaming_agent):
+    import openai
+
+    client = openai.OpenAI(base_url=streaming_agent + "/v1", api_key=TOKEN, timeout=120, max_retries=0)
+    t0 = time.monotonic()
+    stream = client.chat.completions.create(model="osvl-agent", stream=True, temperature=0, messages=[
+        {"role": "user", "content": [EIFFEL_QUESTION, {"type": "image_url",
+                                                       "image_url": {"url": scripted_picture_url()}}]}])
+    got = [(time.monotonic() - t0, chunk) for chunk in stream]
+    first_at, first = got[0]
+    assert first.object == "chat.completion.chunk" and first.choices[0].delta.role == "assistant"
+    events = [(t, c.model_extra["osvl_event"]) for t, c in got if (c.model_extra or {}).get("osvl_event")]
+    calls = [(t, e) for t, e in events if e["action"] == "tool_call"]
+    assert calls, [e for _, e in events]
+    # the first chunk left before the first tool call could have answered (each takes >= 1.5 s), and each
+    # turn's event came as it happened, not all at the end
+    assert first_at < calls[0][0] - 1.0
+    assert calls[0][0] < got[-1][0] - 1.0
+    last = got[-1][1]
+    finish = last.choices[0].finish_reason
+    assert finish in ("stop", "length", "fatal") and last.usage.total_tokens > last.usage.completion_tokens > 0
+    assert last.model_extra["osvl_trajectory"]["stop_reason"] in ("response", "max_turns", "fatal")
+    pieces = [c.choices[0].delta.content for _, c in got[1:] if c.choices and c.choices[0].delta.content]
+    print(f"first chunk {first_at:.2f} s, tool events at {[round(t, 2) for t, _ in calls]}, end {got[-1][0]:.2f} s, "
+          f"finish {finish}, answer chunks {pieces}")
+    if finish == "stop":  # the tiny agent answers after crop and text_search: the answer came in word chunks
+        assert "".join(pieces).strip() and len(pieces) == len("".join(pieces).split())
+    else:
+        assert not pieces
+
+
+@pytest.mark.slow
+def test_a_client_that_disconnects_mid_stream_stops_the_episode(streaming_agent):
+    before = health(streaming_agent)
+    host, rest = streaming_agent.removeprefix("http://").split("/", 1)
+    conn = http.client.HTTPConnection(*host.split(":"), timeout=60)
+    body = json.dumps({"model": "osvl-agent", "stream": True, "messages": [{"role": "user", "content": [
+        EIFFEL_QUESTION, {"type": "image_url", "image_url": {"url": scripted_picture_url()}}]}]})
+    conn.request("POST", f"/{rest}/v1/chat/completions", body=body,
+                 headers={"Content-Type": "application/json", "Authorization": f"Bearer {TOKEN}"})
+    resp = conn.getresponse()
+    assert resp.status == 200 and resp.readline().startswith(b"data: ")  # the role chunk: the episode runs
+    conn.sock.close()  # gone, mid-episode (its first tool call alone takes 1.5 s)
+    conn.close()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        now = health(streaming_agent)
+        if now["cancelled"] > before["cancelled"]:
+            break
+        time.sleep(0.2)
+    assert now["cancelled"] == before["cancelled"] + 1 and now["served"] == before["served"], now
+    assert now["engine_running"] == 0  # no turn of it is generating
 
 
 @pytest.mark.slow

@@ -41,7 +41,7 @@ answer that does not fit ends the episode with ``max_tokens``.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any, Literal, get_args
 
@@ -138,13 +138,16 @@ def _episode_id(question_id: str, group_id: str, sample: int, seed: int) -> str:
 async def run_episode(engine: TokenEngine | ChatEngine, question: Mapping[str, Any], images: list[np.ndarray],
                       client: ToolClient | OutageClient, cfg: AgentConfig, *, processor: Any, tools: list[dict],
                       seed: int = 0, group_id: str = "", sample: int = 0,
-                      image_store: dict[str, np.ndarray] | None = None, system: str | None = None) -> Trajectory:
+                      image_store: dict[str, np.ndarray] | None = None, system: str | None = None,
+                      on_turn: Callable[[Turn], None] | None = None) -> Trajectory:
     """Run one episode of ``question`` (a synth row) on ``images`` and return its trajectory (rewards unset).
 
     ``image_store``, when given, receives content hash -> array of every image the episode
     used (the question's and the tools'), ready for ``write_trajectories``. ``system`` is an
     instruction put before the tool list (``render``'s rule); the evaluator's no-tools modes
-    use it to ask for a direct answer.
+    use it to ask for a direct answer. ``on_turn``, when given, is called with each turn as soon as it is
+    complete (its tool answered), so a caller can report the episode as it happens (the agent service's
+    stream).
     """
     cfg.check()
     chat = hasattr(engine, "chat")
@@ -220,6 +223,8 @@ async def run_episode(engine: TokenEngine | ChatEngine, question: Mapping[str, A
                 turn.action, final_answer = "response", parsed.response
                 b.add_text(closing)
                 stop_reason = "response"
+                if on_turn is not None:
+                    on_turn(turn)
                 break
             turn.action, turn.tool, turn.arguments = "tool_call", parsed.name, parsed.arguments
             first = f"img_{len(episode) + 1}"
@@ -237,6 +242,8 @@ async def run_episode(engine: TokenEngine | ChatEngine, question: Mapping[str, A
                     new_names.append(f"img_{len(episode) + len(new_names) + 1}")
                     new_arrays.append(arr)
         turn.failed = turn.status == "error" and turn.error_kind in cfg.fatal_kinds
+        if on_turn is not None:
+            on_turn(turn)
 
         if fatal is None and turn.failed:
             fatal = find_fatal([x.failed for x in turns], cfg.k)
