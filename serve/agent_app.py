@@ -11,15 +11,20 @@ content is the final answer, plus one extra top-level field, ``osvl_trajectory``
      "turns": [{"text": ..., "action": "tool_call", "tool": "text_search", "arguments": {...},
                 "status": "ok", "error_kind": "", "observation": "..."}, ...]}
 
-One question per request: exactly one user message (system messages, earlier assistant or tool
-turns and several user messages are refused with a 400: the agent brings its own system prompt and
-has no memory of a conversation); text parts that are only an image name (``img_1``, as osvl's own
+One question per request: one user message, optionally after one system message (put before the
+agent's own system prompt and tool list, as the evaluator's no-tools modes do); earlier assistant or
+tool turns and several user messages are refused with a 400 (the agent answers one question and has
+no memory of a conversation); text parts that are only an image name (``img_1``, as osvl's own
 OpenAI engine writes them) are dropped. Request fields: ``model``, ``messages``, ``stream`` and
 ``stream_options``, ``temperature`` (honoured: 0 is greedy, the default), ``max_tokens`` /
-``max_completion_tokens`` (honoured as the cap on tokens the agent generates in one turn), ``n`` (1
-only) and ``user`` (ignored); any other field is refused with a 400 naming it (``unsupported_field``).
+``max_completion_tokens`` (honoured as the cap on tokens the agent generates in one turn), ``seed``
+(the episode's sampling seed, modulo 2^31), ``n`` (1 only) and ``user`` (ignored); any other field is refused with a
+400 naming it (``unsupported_field``).
 Tools run through the tool app's Serve handles (``tools: handle``, the ``osvl_tools`` app of
-``serve/app.py``) or in the replica (``inprocess``).
+``serve/app.py``) or in the replica (``inprocess``). One Serve instance has one HTTP port, so with
+``tools: handle`` the two are two apps of it under distinct route prefixes: ``deploy`` starts the tool
+app at ``tools_route_prefix`` (``/tools``: its API at ``http://127.0.0.1:PORT/tools/v1/tools``) unless
+it already runs, then the agent at ``route_prefix`` (``/``).
 
 ``finish_reason`` (``FINISH_REASONS``): ``stop`` when the agent answered; ``length`` when a budget ran
 out first (turns, tokens, or an image too large for the context); ``fatal`` (osvl's own value) when K
@@ -43,6 +48,7 @@ malformed / no question / no image / unreadable image / URL fetching off or refu
 token, 404 unknown model, 413 body or image too large; the replica stays healthy.
 
     python -m serve.agent_app --model=DIR --port=8001     # then any OpenAI client at http://127.0.0.1:8001/v1
+    python -m serve.agent_app --tools=handle --port=8001  # and the tool API beside it at /tools
 """
 
 import asyncio
@@ -76,7 +82,7 @@ FINISH_REASONS = {"response": "stop", "max_turns": "length", "max_tokens": "leng
                   "fatal": "fatal"}
 """Episode stop reason -> the ``finish_reason`` the service answers with (module docstring)."""
 FIELDS = frozenset({"model", "messages", "stream", "stream_options", "temperature", "max_tokens",
-                    "max_completion_tokens", "n", "user"})
+                    "max_completion_tokens", "seed", "n", "user"})
 """Request fields the service reads; any other is refused (module docstring)."""
 
 
@@ -102,6 +108,11 @@ class AgentServeConfig:
     host: str = opt("127.0.0.1", "Address the HTTP proxy binds (python -m serve.agent_app); off loopback the "
                                  "token (token_env) must be set, or the service refuses to start.")
     tool_latency_s: float = opt(0.0, "Simulated extra latency per tool call, seconds (tests, benchmarks).")
+    app_name: str = opt(AGENT_APP, "Serve application name of the agent.")
+    route_prefix: str = opt("/", "Route prefix of the agent app on the Serve instance.")
+    tools_route_prefix: str = opt("/tools", "tools=handle: route prefix of the tool app deploy starts beside the "
+                                            "agent when it is not running yet (with ServeConfig's defaults "
+                                            "unless deploy is given others).")
 
 
 class BadRequest(OsvlError):
@@ -160,6 +171,8 @@ class ChatRequest:
     images: list[Any]
     stream: bool
     agent: AgentConfig  # the config's, with the request's temperature and max_tokens
+    system: str | None = None
+    seed: int = 0
 
 
 def _number(body: dict[str, Any], key: str, low: float, high: float, integer: bool = False) -> float | None:
@@ -200,10 +213,14 @@ async def parse_request(raw: bytes, cfg: AgentServeConfig) -> ChatRequest:
     users = [m for m in messages if m.get("role") == "user"]
     if not users:
         raise BadRequest(400, "no_user_message", "no message with role 'user'")
-    others = sorted({str(m.get("role")) for m in messages} - {"user"})
-    if others or len(users) > 1:
-        raise BadRequest(400, "unsupported_conversation", "one user message per request: the agent brings its own "
-                         f"system prompt and answers one question (got roles {[m.get('role') for m in messages]})")
+    roles = [m.get("role") for m in messages]
+    if roles not in (["user"], ["system", "user"]):
+        raise BadRequest(400, "unsupported_conversation", "one user message per request, optionally after one system "
+                         f"message: the agent answers one question and keeps no conversation (got roles {roles})")
+    system = messages[0].get("content") if roles[0] == "system" else None
+    if system is not None and not isinstance(system, str):
+        raise BadRequest(400, "invalid_content", "a system message's content must be a string")
+    seed = _number(body, "seed", -(1 << 63), (1 << 63) - 1, integer=True)
     content = users[-1].get("content")
     parts = [{"type": "text", "text": content}] if isinstance(content, str) else content
     if not isinstance(parts, list) or not all(isinstance(p, dict) for p in parts):
@@ -229,7 +246,8 @@ async def parse_request(raw: bytes, cfg: AgentServeConfig) -> ChatRequest:
         agent.temperature = float(temperature)
     if max_tokens is not None:
         agent.max_new_tokens = min(agent.max_new_tokens, int(max_tokens))
-    return ChatRequest(question, [await _image(u, cfg) for u in urls], stream, agent)
+    return ChatRequest(question, [await _image(u, cfg) for u in urls], stream, agent, system,
+                       int(seed or 0) % (1 << 31))  # the loop's generators take 63-bit seeds of seed * 100,003 + turn
 
 
 def turn_field(t: Any) -> dict[str, Any]:
@@ -314,7 +332,8 @@ class AgentService:
         from osvl.agent.loop import run_episode
 
         return run_episode(self.engine, {"id": qid, "question": req.question}, req.images, self.client, req.agent,
-                           processor=self.engine.processor, tools=self.tools, on_turn=on_turn)
+                           processor=self.engine.processor, tools=self.tools, seed=req.seed, system=req.system,
+                           on_turn=on_turn)
 
     @api.post("/v1/chat/completions")
     async def chat(self, request: Request) -> Any:
@@ -382,6 +401,20 @@ def make_agent_app(cfg: AgentServeConfig) -> serve.Application:
     return AgentService.bind(dataclasses.asdict(cfg), resolve_model(cfg.model), digest)
 
 
+def deploy(cfg: AgentServeConfig, tools: Any = None) -> None:
+    """Run the agent app on the running Serve instance; with ``tools: handle`` first the tool app (``tools``, a
+    ``serve.app.ServeConfig``; default: every tool) at ``tools_route_prefix``, unless it already runs."""
+    from serve.app import APP_NAME, ServeConfig, make_app
+
+    if cfg.tools == "handle":
+        app = serve.status().applications.get(APP_NAME)
+        if app is None or str(app.status).rsplit(".", 1)[-1] != "RUNNING":
+            from osvl.tools.registry import all_tools
+
+            serve.run(make_app(all_tools(), tools or ServeConfig()), name=APP_NAME, route_prefix=cfg.tools_route_prefix)
+    serve.run(make_agent_app(cfg), name=cfg.app_name, route_prefix=cfg.route_prefix)
+
+
 def check_host(cfg: AgentServeConfig) -> None:
     """``ConfigError`` when ``cfg.host`` is off loopback and no token is set (the tool API's rule)."""
     from osvl.errors import ConfigError
@@ -410,8 +443,11 @@ def main(argv: list[str] | None = None) -> None:
     check_host(cfg)
     init_ray()
     port = start_serve(port or None, host=cfg.host)
-    serve.run(make_agent_app(cfg), name=AGENT_APP, route_prefix="/")
-    logging.getLogger("serve.agent_app").info(f"osvl agent on http://{cfg.host}:{port}/v1 (model {cfg.name!r})")
+    deploy(cfg)
+    base = f"http://{cfg.host}:{port}"
+    tools = f"; tool API at {base}{cfg.tools_route_prefix.rstrip('/')}/v1/tools" if cfg.tools == "handle" else ""
+    logging.getLogger("serve.agent_app").info(f"osvl agent on {base}{cfg.route_prefix.rstrip('/')}/v1 (model "
+                                              f"{cfg.name!r}){tools}")
     serve_until_interrupted()
 
 

@@ -150,9 +150,9 @@ BAD = [  # (why, body, token, expected status, expected code)
     ("earlier turns", json.dumps({"model": "osvl-agent", "messages": [
         {"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}, {"role": "user", "content": "z"}]})
      .encode(), TOKEN, 400, "unsupported_conversation"),
-    ("a system message", json.dumps({"model": "osvl-agent", "messages": [
-        {"role": "system", "content": "be brief"}, {"role": "user", "content": "x"}]}).encode(), TOKEN, 400,
-     "unsupported_conversation"),
+    ("two system messages", json.dumps({"model": "osvl-agent", "messages": [
+        {"role": "system", "content": "be brief"}, {"role": "system", "content": "x"}, {"role": "user", "content": "x"}
+    ]}).encode(), TOKEN, 400, "unsupported_conversation"),
 ]
 
 
@@ -253,6 +253,34 @@ def test_a_client_that_disconnects_mid_stream_stops_the_episode(streaming_agent)
 
 
 @pytest.mark.slow
+def test_tools_and_agent_are_two_apps_of_one_serve_instance(agent):
+    """``tools: handle`` as ``python -m serve.agent_app --tools=handle`` runs it (``deploy``): the tool app beside the
+    agent on the one HTTP port, at its own prefix, and the agent calling its deployments through handles."""
+    from ray import serve
+
+    from serve.agent_app import AgentServeConfig, deploy
+    from serve.app import APP_NAME, ServeConfig
+
+    cfg = AgentServeConfig(model="tiny-agent", token_env="OSVL_AGENT_TEST_TOKEN", tools="handle",
+                           app_name="osvl_agent_handle", route_prefix="/handle")
+    cfg.agent.max_turns = 4
+    deploy(cfg, ServeConfig(tools=["crop", "text_search"]))
+    try:
+        with urllib.request.urlopen(agent + "/tools/v1/tools", timeout=30) as r:  # the tool API, at /tools
+            assert sorted(t["function"]["name"] for t in json.loads(r.read())["tools"]) == ["crop", "text_search"]
+        got, answer = post(agent + "/handle", user(EIFFEL_QUESTION, {"type": "image_url",
+                                                                     "image_url": {"url": scripted_picture_url()}}))
+        assert got == 200, answer
+        calls = [t for t in answer["osvl_trajectory"]["turns"] if t["action"] == "tool_call"]
+        # answered by the tool app's deployments (no tool runs in the agent's replica with tools=handle)
+        assert [t["tool"] for t in calls][:2] == ["crop", "text_search"] and all(t["status"] == "ok" for t in calls)
+        assert answer["choices"][0]["finish_reason"] == "stop" and answer["choices"][0]["message"]["content"]
+    finally:
+        serve.delete("osvl_agent_handle")
+        serve.delete(APP_NAME)
+
+
+@pytest.mark.slow
 def test_the_eval_job_scores_the_service_as_an_openai_model(agent, tmp_path, monkeypatch):
     from jobs.eval import main
 
@@ -261,7 +289,7 @@ def test_the_eval_job_scores_the_service_as_an_openai_model(agent, tmp_path, mon
                                                   "answer": "Eiffel Tower", "images": ["tower.jpg"]}) + "\n")
     monkeypatch.setenv("AGENT_KEY", TOKEN)
     summary = main([f"--run.root={tmp_path / 'runs'}", f"--benchmarks={tmp_path / 'b.jsonl'}",
-                    "--modes=direct,agentic", "--model=openai:osvl-agent", f"--endpoint.base_url={agent}/v1",
+                    "--modes=direct", "--model=openai:osvl-agent", f"--endpoint.base_url={agent}/v1",
                     "--endpoint.api_key_env=AGENT_KEY", "--text_search.dense_rerank=false"])
     modes = summary["benchmarks"]["b"]["modes"]
     # the service answered every request (an engine error would be a failure of kind engine_error)
