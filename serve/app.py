@@ -24,7 +24,9 @@ and the search tools (their indexes live in their replicas) are forwarded.
 
 Wire formats: a call is either base64 JSON (``{"arguments", "images", "new_image_name"}``,
 what curl users write) or ``multipart/form-data`` (an ``arguments`` JSON part and one
-PNG/JPEG/WebP part per image, what ``osvl.tools.client`` sends by default); a client that
+PNG/JPEG/WebP part per image, what ``osvl.tools.client`` sends by default; an image part is read
+from its bytes whatever Content-Type it declares, so the schema's binary parts are exactly what is
+accepted); a client that
 accepts ``multipart/form-data`` gets new images back as PNG parts, otherwise as base64
 JSON. Each image is decoded once (here) and encoded once (here): replicas get and return
 arrays. ``GET /openapi.json`` describes every tool's own request body (``POST
@@ -76,8 +78,8 @@ from osvl.tools.base import MAX_PIXELS, InvalidCall, Tool, ToolContext, ToolResu
 from osvl.tools.client import (
     DEPLOYMENT_PREFIX,
     HTTP_STATUS,
-    IMAGE_TYPES,
     MULTIPART,
+    PART_NAME,
     content_type,
     decode_image,
     decode_multipart,
@@ -422,8 +424,13 @@ def _operation(summary: str, arguments: dict[str, Any], example: dict[str, Any] 
         "new_image_name": {"type": "string", "description": "Name for a new image (default: next img_k)."}}}
     multipart_body = {"type": "object", "required": ["arguments"], "properties": {
         "arguments": arguments, "new_image_name": {"type": "string"}},
-        "additionalProperties": {"type": "string", "format": "binary",
-                                 "description": "One part per image, named img_1, ...: PNG, JPEG or WebP bytes."}}
+        # image parts: any other part name the server takes (PART_NAME), stated as a pattern so that the schema
+        # admits exactly what the server accepts
+        "patternProperties": {r"^(?!arguments$|new_image_name$)" + PART_NAME.pattern.removeprefix("^"): {
+            "type": "string", "format": "binary",
+            "description": "One part per image, named img_1, ...: PNG, JPEG or WebP bytes (read from the bytes, "
+                           "whatever Content-Type the part declares)."}},
+        "additionalProperties": False}
     json_content: dict[str, Any] = {"schema": json_body}
     if example is not None:
         json_content["example"] = example
@@ -574,9 +581,11 @@ class ToolAPI:
                 new_name = parts.pop("new_image_name", ("", b""))[1].decode()
             except UnicodeDecodeError:
                 raise InvalidCall("new_image_name must be UTF-8 text") from None
-            for name, (ctype, _) in parts.items():
-                if ctype not in IMAGE_TYPES:
-                    raise InvalidCall(f"part {name!r} is {ctype}; image parts are {', '.join(IMAGE_TYPES)}")
+            # every other part is an image, read from its bytes whatever type it declares: a part without a
+            # Content-Type is text/plain by RFC 7578, and the schema (additionalProperties, binary) cannot say more
+            odd = sorted(name for name in parts if not PART_NAME.fullmatch(name))
+            if odd:
+                raise InvalidCall(f"image part names must match {PART_NAME.pattern}, got {odd[:3]}")
             images = {name: image_from_bytes(data, self.cfg.max_pixels, name) for name, (_, data) in parts.items()}
         else:
             body = _json(raw, "body")

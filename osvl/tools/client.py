@@ -182,10 +182,8 @@ def _result(head: Any, images: dict[str, np.ndarray]) -> ToolResult:
 # multipart bodies: the binary transport
 
 MULTIPART = "multipart/form-data"
-IMAGE_TYPES = ("image/png", "image/jpeg", "image/webp", "application/octet-stream")
-"""Content types an image part may carry (the bytes are sniffed anyway, see ``image_from_bytes``)."""
 
-_TOKEN = re.compile(r"[A-Za-z0-9_.\-]{1,128}")  # part names and boundaries we write and accept
+PART_NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,128}$")  # the part names we write and the tool API accepts
 _PARAM = re.compile(r';\s*([A-Za-z0-9_\-]+)=("([^"\\\r\n]*)"|[^;\s]*)')
 
 
@@ -202,7 +200,7 @@ def encode_multipart(parts: list[tuple[str, str, bytes]]) -> tuple[bytes, str]:
     boundary = "osvl-" + secrets.token_hex(16)
     out = []
     for name, ctype, data in parts:
-        if not _TOKEN.fullmatch(name):
+        if not PART_NAME.fullmatch(name):
             raise ValueError(f"part name {name!r} must match [A-Za-z0-9_.-]{{1,128}}")
         filename = f'; filename="{name}"' if ctype.startswith("image/") else ""
         out.append(f'--{boundary}\r\nContent-Disposition: form-data; name="{name}"{filename}\r\n'
