@@ -240,6 +240,28 @@ print("built", type(app).__name__)
 
 
 @pytest.mark.slow  # two fresh interpreters importing Ray Serve (~4 s each)
+def test_every_tools_group_offers_the_gpus_edsr_scales_to():
+    """EDSR's replicas take a whole GPU each on tools nodes (serve/config.gpu.yaml): each cluster definition's tools
+    nodes, at their most, hold max_replicas of them; other nodes' GPUs do not count (the replicas never go there)."""
+    from osvl.rl.plan import read_cluster
+
+    app = yaml.safe_load((REPO / "serve" / "config.gpu.yaml").read_text())["applications"][0]
+    sr = next(d for d in app["deployments"] if d["name"] == "tool_super_resolution")
+    need = sr["autoscaling_config"]["max_replicas"] * sr["ray_actor_options"]["num_gpus"]
+    assert sr["ray_actor_options"]["resources"]["tools"] > 0
+    offers = {}
+    doc = yaml.safe_load((REPO / "cluster.yaml").read_text())
+    types = {t.name: t for t in read_cluster(REPO / "cluster.yaml")}
+    offers["cluster.yaml"] = sum(types[n].gpus * spec.get("max_workers", 0)
+                                 for n, spec in doc["available_node_types"].items() if "tools" in types[n].resources)
+    for name, manifest in MANIFESTS.items():
+        groups = [g for g in _groups(_cluster_spec(manifest)) if "tools" in _group_roles(g)]
+        if groups:
+            offers[name] = sum(int(g["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"])
+                               * int(g.get("maxReplicas", g.get("replicas", 1))) for g in groups)
+    assert len(offers) == 4 and all(v >= need for v in offers.values()), (need, offers)
+
+
 def test_tool_api_refuses_a_non_loopback_host_without_token():
     """Serve's proxy on 0.0.0.0 (what a RayService runs): no token, one clear line; with a token, the app builds.
 

@@ -44,10 +44,11 @@ def test_config_is_a_valid_serve_deploy_config_for_this_app(name):
     assert sr["max_ongoing_requests"] >= args.max_batch_size  # a batch must be able to fill
 
 
-def test_gpu_overlay_only_moves_edsr_to_a_gpu_share():
+def test_gpu_overlay_only_moves_edsr_to_a_gpu():
     cpu, gpu = load("config.yaml"), load("config.gpu.yaml")
     gpu_sr = next(d for d in gpu["applications"][0]["deployments"] if d["name"] == "tool_super_resolution")
-    assert 0 < gpu_sr["ray_actor_options"]["num_gpus"] < 1
+    # a whole GPU per replica (replicas sharing one add no GPU compute), on tools nodes only
+    assert gpu_sr["ray_actor_options"]["num_gpus"] == 1 and gpu_sr["ray_actor_options"]["resources"]["tools"] > 0
     for cfg in (cpu, gpu):  # drop what may differ, the rest must be equal
         app = cfg["applications"][0]
         app["args"].pop("max_batch_size")
