@@ -41,6 +41,7 @@ from osvl.errors import StorageError
 SCHEMES = ("file", "s3", "gs")
 MARKER = ".osvl-remote"  # in a mirror folder: the URI it mirrors
 SYNCED = ".osvl-synced.json"  # in a mirror folder: each file's size and mtime at its last pull or publish
+PULL_LOCK = ".osvl-pull.lock"  # in a mirror folder: held by the node's one pull in progress
 
 
 def is_uri(root: str) -> bool:
@@ -194,29 +195,51 @@ def _stat(f: Path) -> list[int]:
     return [st.st_size, st.st_mtime_ns]
 
 
+PULL_CHUNK = 8 << 20  # bytes read and written at a time: a pull's memory does not grow with the file
+
+
+@contextlib.contextmanager
+def _pull_lock(local: Path) -> Iterator[None]:
+    """One pull of a mirror at a time on this node: ranks, actors and tasks of one node share a mirror, and the
+    second caller then finds the files pulled (an advisory ``flock``, released if the holder dies)."""
+    import fcntl
+
+    local.mkdir(parents=True, exist_ok=True)
+    with open(local / PULL_LOCK, "a+b") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def pull(uri: str, local: Path) -> bool:
     """Copy the remote folder ``uri`` into ``local``, skipping files already pulled unchanged; False
-    when nothing is stored at ``uri`` yet."""
+    when nothing is stored at ``uri`` yet.
+
+    Each file streams into a temporary file in ``PULL_CHUNK`` pieces and is renamed into place (``atomic``):
+    a reader sees the old file or the whole new one, never part of it, and a pull holds one chunk in memory
+    whatever the file's size. Concurrent pulls of one mirror on a node take turns (``_pull_lock``)."""
     import pyarrow.fs as pafs
 
     fs, path = open_root(uri)
     if fs.get_file_info(path).type.name == "NotFound":
         return False
-    local.mkdir(parents=True, exist_ok=True)
-    synced = _synced(local)
-    for info in fs.get_file_info(pafs.FileSelector(path, recursive=True)):
-        if info.type.name != "File":
-            continue
-        rel = info.path[len(path):].lstrip("/")
-        dst = local / rel
-        remote_ns = int(info.mtime_ns or 0)
-        if dst.is_file() and synced.get(rel) == _stat(dst) and synced.get("@" + rel) == [info.size, remote_ns]:
-            continue
-        dst.parent.mkdir(parents=True, exist_ok=True)
-        with fs.open_input_stream(info.path) as src, open(dst, "wb") as out:
-            out.write(src.read())
-        synced[rel], synced["@" + rel] = _stat(dst), [info.size, remote_ns]
-    _save_synced(local, synced)
+    with _pull_lock(local):
+        synced = _synced(local)
+        for info in fs.get_file_info(pafs.FileSelector(path, recursive=True)):
+            if info.type.name != "File":
+                continue
+            rel = info.path[len(path):].lstrip("/")
+            dst = local / rel
+            remote_ns = int(info.mtime_ns or 0)
+            if dst.is_file() and synced.get(rel) == _stat(dst) and synced.get("@" + rel) == [info.size, remote_ns]:
+                continue
+            with fs.open_input_stream(info.path) as src, atomic(dst) as tmp, open(tmp, "wb") as out:
+                while chunk := src.read(PULL_CHUNK):
+                    out.write(chunk)
+            synced[rel], synced["@" + rel] = _stat(dst), [info.size, remote_ns]
+        _save_synced(local, synced)
     return True
 
 
@@ -278,7 +301,7 @@ def publish(folder: Path | str, *subpaths: str) -> None:
         for f in files:
             rel = f.relative_to(folder).as_posix()
             # files being written (``*.tmp``, or inside a ``*.tmp`` folder) are never uploaded
-            if f.name in (MARKER, SYNCED) or any(p.endswith(".tmp") for p in rel.split("/")) \
+            if f.name in (MARKER, SYNCED, PULL_LOCK) or any(p.endswith(".tmp") for p in rel.split("/")) \
                     or synced.get(rel) == _stat(f):
                 continue
             pafs.copy_files(str(f), f"{path}/{rel}", source_filesystem=pafs.LocalFileSystem(),

@@ -109,3 +109,75 @@ def test_a_bad_root_fails_at_start_naming_the_setting_and_writes_nothing(s3_stor
     assert msg.startswith(f"run.root={root}: ") and says in msg and "\n" not in msg
     assert not any(os.scandir(tmp_path / "cache")) if (tmp_path / "cache").exists() else True
     assert not [p for p in tmp_path.iterdir() if p.name != "cache"]  # no "ftp:" or "s3:" folder in the cwd
+
+
+_PULLER = """
+import json, sys, hashlib
+from pathlib import Path
+from osvl import storage
+
+def status_mb(key):
+    line = next(x for x in open("/proc/self/status") if x.startswith(key + ":"))
+    return int(line.split()[1]) / 1024
+
+uri, local, name = sys.argv[1], Path(sys.argv[2]), sys.argv[3]
+storage.open_root(uri)  # the S3 client and its threads: there before the pull, not counted in its growth
+open("/proc/self/clear_refs", "w").write("5")  # reset the peak (VmHWM) to the resident set now
+before = status_mb("VmRSS")
+storage.pull(uri, local)
+peak = status_mb("VmHWM")
+digest = hashlib.sha256()
+with open(local / name, "rb") as f:
+    while chunk := f.read(1 << 20):
+        digest.update(chunk)
+print(json.dumps({"growth_mb": peak - before, "sha256": digest.hexdigest()}))
+"""
+
+
+@pytest.mark.slow
+def test_a_large_object_pulled_by_four_processes_streams_and_is_never_seen_partial(s3_store, tmp_path):
+    """A 256 MB object, four processes of one node pulling the same mirror at once: each grows by at most 64 MB
+    (the pull streams in chunks), all read the same bytes, and the file is either absent or whole whenever looked
+    at (streamed into a temporary file, renamed into place)."""
+    import hashlib
+    import json
+    import subprocess
+    import sys
+    import threading
+
+    import numpy as np
+
+    size, name = 256 << 20, "big.bin"
+    uri = f"s3://{s3_store['bucket']}/large-pull"
+    fs, path = storage.open_root(uri)
+    digest, rng = hashlib.sha256(), np.random.default_rng(0)
+    with fs.open_output_stream(f"{path}/{name}") as out:
+        for _ in range(size // (8 << 20)):
+            chunk = rng.integers(0, 256, 8 << 20, dtype=np.uint8).tobytes()
+            digest.update(chunk)
+            out.write(chunk)
+    local = tmp_path / "mirror"
+    seen_sizes: set[int] = set()
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.is_set():
+            try:
+                seen_sizes.add((local / name).stat().st_size)
+            except FileNotFoundError:
+                pass
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    procs = [subprocess.Popen([sys.executable, "-c", _PULLER, uri, str(local), name], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(4)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    done.set()
+    watcher.join(timeout=10)
+    assert all(p.returncode == 0 for p in procs), [e[-2000:] for _, e in outs]
+    got = [json.loads(o.strip().splitlines()[-1]) for o, _ in outs]
+    print(json.dumps([round(g["growth_mb"], 1) for g in got]))
+    assert {g["sha256"] for g in got} == {digest.hexdigest()}
+    assert all(g["growth_mb"] <= 64 for g in got), got
+    assert seen_sizes == {size}, sorted(seen_sizes)[:5]  # looked at while being pulled: only ever whole
+    assert not [p.name for p in local.iterdir() if p.name.endswith(".tmp")]
