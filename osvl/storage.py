@@ -40,7 +40,7 @@ from osvl.errors import StorageError
 
 SCHEMES = ("file", "s3", "gs")
 MARKER = ".osvl-remote"  # in a mirror folder: the URI it mirrors
-SYNCED = ".osvl-synced.json"  # in a mirror folder: each file's size and mtime at its last pull or publish
+SYNCED = ".osvl-synced.jsonl"  # in a mirror folder: the sync ledger (``_synced``)
 PULL_LOCK = ".osvl-pull.lock"  # in a mirror folder: held by the node's one pull in progress
 
 
@@ -175,19 +175,63 @@ def write_once(path: str | Path, data: bytes) -> bool:
     return True
 
 
+_LEDGERS: dict[str, tuple[int, int, dict[str, list[int]]]] = {}  # ledger path -> (inode, bytes read, entries)
+
+
 def _synced(local: Path) -> dict[str, list[int]]:
-    """The mirror's record of each file as it was at its last pull or publish: ``rel -> [size, mtime_ns]``."""
+    """The mirror's sync ledger: each file as it was at its last pull or publish, ``rel -> [size, mtime_ns]`` (and
+    ``@rel`` -> the stored object's ``[size, mtime_ns]``).
+
+    An append-only JSON-lines file, the last line of a key winning: publishing one image appends its two lines
+    instead of rewriting every entry (a run's rollouts publish tens of thousands of images, and a rewrite per
+    image made the run quadratic). This process keeps what it has read and reads only what was appended since,
+    by any process sharing the mirror; a ledger replaced by a compaction (another inode) is read afresh. A torn
+    last line (a writer killed mid-append) is skipped: a lost entry only costs a re-upload or a re-pull.
+    """
     import json
 
     f = local / SYNCED
-    return json.loads(f.read_text()) if f.is_file() else {}
+    try:
+        st = f.stat()
+    except FileNotFoundError:
+        _LEDGERS.pop(str(f), None)
+        return {}
+    inode, done, entries = _LEDGERS.get(str(f), (-1, 0, {}))
+    if inode != st.st_ino or st.st_size < done:
+        done, entries = 0, {}
+    if st.st_size > done:
+        with open(f, "rb") as fh:
+            fh.seek(done)
+            data = fh.read()
+        end = data.rfind(b"\n") + 1  # a line still being appended waits for the next read
+        for line in data[:end].splitlines():
+            try:
+                key, value = json.loads(line)
+                entries[key] = value
+            except (ValueError, TypeError):
+                continue
+        done += end
+    _LEDGERS[str(f)] = (st.st_ino, done, entries)
+    return entries  # this process's cached view: read it, never change it (``_save_synced`` adds entries)
 
 
-def _save_synced(local: Path, synced: dict[str, list[int]]) -> None:
-    """Atomically: actors on one node share a mirror (a lost entry only costs a re-upload)."""
+def _save_synced(local: Path, changed: dict[str, list[int]]) -> None:
+    """Append ``changed`` entries to the ledger; compact it (an atomic rewrite) once superseded lines outnumber
+    live ones."""
     import json
 
-    atomic_write(local / SYNCED, json.dumps(synced))
+    f = local / SYNCED
+    if not changed:
+        return
+    lines = "".join(json.dumps([k, v]) + "\n" for k, v in changed.items()).encode()
+    fd = os.open(f, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, lines)  # one write: appends of processes sharing the mirror do not interleave
+    finally:
+        os.close(fd)
+    entries = _synced(local)  # now with the lines just appended
+    if f.stat().st_size > 2 * len(entries) * 64 + (1 << 20):  # about twice the live lines, and over 1 MiB
+        atomic_write(f, "".join(json.dumps([k, v]) + "\n" for k, v in entries.items()))
 
 
 def _stat(f: Path) -> list[int]:
@@ -226,7 +270,7 @@ def pull(uri: str, local: Path) -> bool:
     if fs.get_file_info(path).type.name == "NotFound":
         return False
     with _pull_lock(local):
-        synced = _synced(local)
+        synced, changed = _synced(local), {}
         for info in fs.get_file_info(pafs.FileSelector(path, recursive=True)):
             if info.type.name != "File":
                 continue
@@ -238,8 +282,8 @@ def pull(uri: str, local: Path) -> bool:
             with fs.open_input_stream(info.path) as src, atomic(dst) as tmp, open(tmp, "wb") as out:
                 while chunk := src.read(PULL_CHUNK):
                     out.write(chunk)
-            synced[rel], synced["@" + rel] = _stat(dst), [info.size, remote_ns]
-        _save_synced(local, synced)
+            changed[rel], changed["@" + rel] = _stat(dst), [info.size, remote_ns]
+        _save_synced(local, changed)
     return True
 
 
@@ -294,7 +338,7 @@ def publish(folder: Path | str, *subpaths: str) -> None:
     if uri == str(folder):
         return
     fs, path = open_root(uri)
-    synced = _synced(folder)
+    synced, changed = _synced(folder), {}
     sources = [folder / s for s in subpaths] if subpaths else [folder]
     for src in sources:
         files = [src] if src.is_file() else sorted(p for p in src.rglob("*") if p.is_file())
@@ -307,8 +351,8 @@ def publish(folder: Path | str, *subpaths: str) -> None:
             pafs.copy_files(str(f), f"{path}/{rel}", source_filesystem=pafs.LocalFileSystem(),
                             destination_filesystem=fs)
             info = fs.get_file_info(f"{path}/{rel}")  # so that a later pull knows this copy is current
-            synced[rel], synced["@" + rel] = _stat(f), [info.size, int(info.mtime_ns or 0)]
-    _save_synced(folder, synced)
+            changed[rel], changed["@" + rel] = _stat(f), [info.size, int(info.mtime_ns or 0)]
+    _save_synced(folder, changed)
 
 
 def train_storage(folder: Path | str) -> tuple[str, Any]:

@@ -181,3 +181,39 @@ def test_a_large_object_pulled_by_four_processes_streams_and_is_never_seen_parti
     assert all(g["growth_mb"] <= 64 for g in got), got
     assert seen_sizes == {size}, sorted(seen_sizes)[:5]  # looked at while being pulled: only ever whole
     assert not [p.name for p in local.iterdir() if p.name.endswith(".tmp")]
+
+
+@pytest.mark.slow
+def test_publishing_one_image_appends_to_the_sync_ledger_whatever_its_size(s3_store, tmp_path):
+    """The sync ledger is append-only: with 100,000 entries, publishing one more image appends at most 1 KB and
+    takes at most 2x as long as with 1,000 (a process that has read the ledger once, as a rollout actor has,
+    reads only what was appended since); and a pull after it knows that image is current."""
+    import json
+    import statistics
+
+    def timed_publishes(entries: int) -> tuple[list[float], list[int]]:
+        uri = f"s3://{s3_store['bucket']}/ledger-{entries}"
+        folder = storage.mirror(uri)
+        (folder / "images").mkdir()
+        with open(folder / storage.SYNCED, "w") as f:  # what a long run's publishes leave behind
+            for i in range(entries // 2):
+                f.write(json.dumps([f"images/old-{i:06d}.png", [1000, 1_700_000_000_000_000_000 + i]]) + "\n")
+                f.write(json.dumps([f"@images/old-{i:06d}.png", [1000, 1_700_000_000_000_000_000 + i]]) + "\n")
+        seconds, grew = [], []
+        for k in range(11):
+            (folder / "images" / f"new-{k}.png").write_bytes(os.urandom(2000))
+            size = (folder / storage.SYNCED).stat().st_size
+            t0 = time.perf_counter()
+            storage.publish(folder, f"images/new-{k}.png")
+            seconds.append(time.perf_counter() - t0)
+            grew.append((folder / storage.SYNCED).stat().st_size - size)
+        return seconds[1:], grew  # the first publish of this process reads the whole ledger once
+
+    small, small_grew = timed_publishes(1_000)
+    large, large_grew = timed_publishes(100_000)
+    print(json.dumps({"median_s_1k": statistics.median(small), "median_s_100k": statistics.median(large),
+                      "bytes_appended": large_grew}))
+    assert max(large_grew) <= 1024 and min(large_grew) > 0 and max(small_grew) <= 1024
+    assert statistics.median(large) <= 2 * statistics.median(small), (small, large)
+    folder = storage.mirror(f"s3://{s3_store['bucket']}/ledger-100000")
+    assert storage._synced(folder)["images/new-10.png"][0] == 2000  # the ledger still reads whole
