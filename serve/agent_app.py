@@ -404,14 +404,10 @@ def make_agent_app(cfg: AgentServeConfig) -> serve.Application:
 def deploy(cfg: AgentServeConfig, tools: Any = None) -> None:
     """Run the agent app on the running Serve instance; with ``tools: handle`` first the tool app (``tools``, a
     ``serve.app.ServeConfig``; default: every tool) at ``tools_route_prefix``, unless it already runs."""
-    from serve.app import APP_NAME, ServeConfig, make_app
+    from serve.app import run_unless_running
 
     if cfg.tools == "handle":
-        app = serve.status().applications.get(APP_NAME)
-        if app is None or str(app.status).rsplit(".", 1)[-1] != "RUNNING":
-            from osvl.tools.registry import all_tools
-
-            serve.run(make_app(all_tools(), tools or ServeConfig()), name=APP_NAME, route_prefix=cfg.tools_route_prefix)
+        run_unless_running(tools, cfg.tools_route_prefix)
     serve.run(make_agent_app(cfg), name=cfg.app_name, route_prefix=cfg.route_prefix)
 
 

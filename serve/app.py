@@ -760,6 +760,16 @@ def make_app(tools: dict[str, Tool], cfg: ServeConfig,
                                                            digest, inline)
 
 
+def run_unless_running(cfg: ServeConfig | None = None, route_prefix: str = "/tools") -> None:
+    """Run the tool app (``APP_NAME``) on the running Serve instance at ``route_prefix`` unless it runs already:
+    services that call the tools through handles (the agent, the MCP server) start it beside themselves."""
+    app = serve.status().applications.get(APP_NAME)
+    if app is None or str(app.status).rsplit(".", 1)[-1] != "RUNNING":
+        from osvl.tools.registry import all_tools
+
+        serve.run(make_app(all_tools(), cfg or ServeConfig()), name=APP_NAME, route_prefix=route_prefix)
+
+
 def _placed(cls: Any, options: dict[str, Any], cfg: ServeConfig) -> dict[str, Any]:
     """``options`` with ``cfg.role_units`` of the tools resource added to the replica's ray_actor_options
     (the deployment's own, or the ones ``options`` gives, which replace them in Serve)."""
