@@ -330,7 +330,7 @@ def profile_path(job: str, profile: str) -> Path:
     return path
 
 
-def format_help(cls: type, job: str = "", prefix: str = "", defaults: Any = None) -> str:
+def format_help(cls: type, job: str = "", prefix: str = "", defaults: Any = None, usage: str = "") -> str:
     """Every field with its type, default and doc: what ``--help`` prints.
 
     Defaults are read from an instance (``defaults``, else ``cls()``) rather than from the
@@ -338,8 +338,8 @@ def format_help(cls: type, job: str = "", prefix: str = "", defaults: Any = None
     """
     lines = []
     if not prefix:
-        lines.append(f"usage: python jobs/{job}.py [--profile=NAME|FILE.yaml] "
-                     "[--log_level=debug|info|warning|error] [--section.key=value ...]")
+        lines.append(usage or f"usage: python jobs/{job}.py [--profile=NAME|FILE.yaml] "
+                              "[--log_level=debug|info|warning|error] [--section.key=value ...]")
         profiles = sorted(x.stem for x in (CONFIG_DIR / job).glob("*.yaml")) if job else []
         if profiles:
             lines.append(f"profiles: {', '.join(profiles)} (default: demo)")

@@ -423,19 +423,9 @@ def check_host(cfg: AgentServeConfig) -> None:
 def main(argv: list[str] | None = None) -> None:
     """``python -m serve.agent_app [--port=N] [--<AgentServeConfig field>=value ...]``: serve until Ctrl-C."""
     from osvl.cluster import init_ray, start_serve
-    from osvl.config import apply_override
-    from osvl.logs import setup
+    from serve.app import service_flags
 
-    port, cfg = 0, AgentServeConfig()
-    for arg in list(sys.argv[1:] if argv is None else argv):
-        key, _, value = arg.removeprefix("--").partition("=")
-        if key == "port":
-            port = int(value)
-        elif key == "log_level":
-            setup(value)
-        else:
-            cfg = apply_override(cfg, key, value)
-    setup()  # info unless --log_level chose (or $OSVL_LOG_LEVEL)
+    port, cfg = service_flags(list(sys.argv[1:] if argv is None else argv), AgentServeConfig(), "serve.agent_app")
     check_host(cfg)
     init_ray()
     port = start_serve(port or None, host=cfg.host)

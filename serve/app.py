@@ -790,26 +790,17 @@ def main(argv: list[str] | None = None) -> None:
     so the laptop run and ``serve run`` use one file; later flags override its args.
     """
     from osvl.cluster import init_ray, start_serve
-    from osvl.config import apply_override, load_yaml, merge
-    from osvl.logs import setup
+    from osvl.config import load_yaml, merge
     from osvl.tools.registry import all_tools
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    port, cfg, deployments = 0, ServeConfig(), {}
-    for arg in argv:
-        key, _, value = arg.removeprefix("--").partition("=")
-        if key == "port":
-            port = int(value)
-        elif key == "log_level":
-            setup(value)
-        elif key == "config":
-            app_cfg = load_yaml(value)["applications"][0]
-            cfg = merge(cfg, app_cfg.get("args") or {})
-            deployments = {d["name"]: {k: v for k, v in d.items() if k != "name"}
-                           for d in app_cfg.get("deployments") or []}
-        else:
-            cfg = apply_override(cfg, key, value)
-    setup()  # info unless --log_level chose (or $OSVL_LOG_LEVEL)
+    cfg, deployments = ServeConfig(), {}
+    for arg in [a for a in argv if a.startswith("--config=")]:  # the file first, then flags override its args
+        app_cfg = load_yaml(arg.partition("=")[2])["applications"][0]
+        cfg = merge(cfg, app_cfg.get("args") or {})
+        deployments = {d["name"]: {k: v for k, v in d.items() if k != "name"}
+                       for d in app_cfg.get("deployments") or []}
+    port, cfg = service_flags([a for a in argv if not a.startswith("--config=")], cfg, "serve.app [--config=FILE]")
     tools = all_tools()
     names = set(cfg.tools or tools)  # a subset run keeps only its own deployments' options
     deployments = {k: v for k, v in deployments.items() if k == "api" or k.removeprefix(DEPLOYMENT_PREFIX) in names}
@@ -818,6 +809,30 @@ def main(argv: list[str] | None = None) -> None:
     serve.run(make_app(tools, cfg, deployments), name=APP_NAME, route_prefix="/")
     logging.getLogger("serve.app").info(f"osvl tool API on http://127.0.0.1:{port} (OpenAPI: /docs, /openapi.json)")
     serve_until_interrupted()
+
+
+def service_flags(argv: list[str], cfg: Any, module: str) -> tuple[int, Any]:
+    """A service's command line (``python -m serve.<module>``): ``--port=N``, ``--log_level=LEVEL``, ``--help``
+    (every field of ``cfg``'s type, then exit) and ``--<field>=value`` overrides; sets up logging. Returns
+    (port, 0 = a free one; the config with the overrides)."""
+    from osvl.config import apply_override, format_help
+    from osvl.logs import setup
+
+    port = 0
+    for arg in argv:
+        key, _, value = arg.removeprefix("--").partition("=")
+        if key in ("help", "h"):
+            print(format_help(type(cfg), defaults=cfg, usage=f"usage: python -m {module} [--port=N] "
+                              "[--log_level=debug|info|warning|error] [--key=value ...]"))
+            raise SystemExit(0)
+        if key == "port":
+            port = int(value)
+        elif key == "log_level":
+            setup(value)
+        else:
+            cfg = apply_override(cfg, key, value)
+    setup()  # info unless --log_level chose (or $OSVL_LOG_LEVEL)
+    return port, cfg
 
 
 def serve_until_interrupted() -> None:

@@ -232,19 +232,9 @@ def main(argv: list[str] | None = None) -> None:
     import uvicorn
 
     from osvl.cluster import free_port
-    from osvl.config import apply_override
-    from osvl.logs import setup
+    from serve.app import service_flags
 
-    port, cfg = 0, McpConfig()
-    for arg in list(sys.argv[1:] if argv is None else argv):
-        key, _, value = arg.removeprefix("--").partition("=")
-        if key == "port":
-            port = int(value)
-        elif key == "log_level":
-            setup(value)
-        else:
-            cfg = apply_override(cfg, key, value)
-    setup()  # info unless --log_level chose (or $OSVL_LOG_LEVEL)
+    port, cfg = service_flags(list(sys.argv[1:] if argv is None else argv), McpConfig(), "serve.mcp_app")
     check_host(cfg)
     if cfg.transport == "handle":
         _start_tool_app()

@@ -67,3 +67,16 @@ def test_an_inline_tool_cannot_also_be_batched():
     with pytest.raises(ConfigError, match="both inline and batched"):
         make_app(all_tools(), ServeConfig(tools=["crop", "sharpen"], batched=["sharpen"], inline=["crop", "sharpen"]))
     make_app(all_tools(), ServeConfig(tools=["crop"], batched=["sharpen"], inline=["crop"]))  # no overlap: fine
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("module, field", [("serve.app", "--max_pixels="), ("serve.agent_app", "--host="),
+                                           ("serve.mcp_app", "--token_env=")])
+def test_every_service_answers_help_with_its_fields(module, field):
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", module, "--help"], cwd=REPO, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.startswith(f"usage: python -m {module}") and field in out.stdout, out.stdout[:2000]
