@@ -29,14 +29,16 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import json
 import os
+import threading
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-from osvl.errors import StorageError
+from osvl.errors import DataError, StorageError
 
 SCHEMES = ("file", "s3", "gs")
 MARKER = ".osvl-remote"  # in a mirror folder: the URI it mirrors
@@ -176,6 +178,7 @@ def write_once(path: str | Path, data: bytes) -> bool:
 
 
 _LEDGERS: dict[str, tuple[int, int, dict[str, list[int]]]] = {}  # ledger path -> (inode, bytes read, entries)
+_LEDGER_LOCK = threading.RLock()  # threads of one process publish concurrently (rollout actors' image uploads)
 
 
 def _synced(local: Path) -> dict[str, list[int]]:
@@ -187,51 +190,50 @@ def _synced(local: Path) -> dict[str, list[int]]:
     image made the run quadratic). This process keeps what it has read and reads only what was appended since,
     by any process sharing the mirror; a ledger replaced by a compaction (another inode) is read afresh. A torn
     last line (a writer killed mid-append) is skipped: a lost entry only costs a re-upload or a re-pull.
+    Returns this process's cached view: read it, never change it (``_save_synced`` adds entries).
     """
-    import json
-
     f = local / SYNCED
-    try:
-        st = f.stat()
-    except FileNotFoundError:
-        _LEDGERS.pop(str(f), None)
-        return {}
-    inode, done, entries = _LEDGERS.get(str(f), (-1, 0, {}))
-    if inode != st.st_ino or st.st_size < done:
-        done, entries = 0, {}
-    if st.st_size > done:
-        with open(f, "rb") as fh:
-            fh.seek(done)
-            data = fh.read()
-        end = data.rfind(b"\n") + 1  # a line still being appended waits for the next read
-        for line in data[:end].splitlines():
-            try:
-                key, value = json.loads(line)
-                entries[key] = value
-            except (ValueError, TypeError):
-                continue
-        done += end
-    _LEDGERS[str(f)] = (st.st_ino, done, entries)
-    return entries  # this process's cached view: read it, never change it (``_save_synced`` adds entries)
+    with _LEDGER_LOCK:
+        try:
+            st = f.stat()
+        except FileNotFoundError:
+            _LEDGERS.pop(str(f), None)
+            return {}
+        inode, done, entries = _LEDGERS.get(str(f), (-1, 0, {}))
+        if inode != st.st_ino or st.st_size < done:
+            done, entries = 0, {}
+        if st.st_size > done:
+            with open(f, "rb") as fh:
+                fh.seek(done)
+                data = fh.read()
+            end = data.rfind(b"\n") + 1  # a line still being appended waits for the next read
+            for line in data[:end].splitlines():
+                try:
+                    key, value = json.loads(line)
+                    entries[key] = value
+                except (ValueError, TypeError):
+                    continue
+            done += end
+        _LEDGERS[str(f)] = (st.st_ino, done, entries)
+        return entries
 
 
 def _save_synced(local: Path, changed: dict[str, list[int]]) -> None:
     """Append ``changed`` entries to the ledger; compact it (an atomic rewrite) once superseded lines outnumber
     live ones."""
-    import json
-
-    f = local / SYNCED
     if not changed:
         return
+    f = local / SYNCED
     lines = "".join(json.dumps([k, v]) + "\n" for k, v in changed.items()).encode()
-    fd = os.open(f, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    try:
-        os.write(fd, lines)  # one write: appends of processes sharing the mirror do not interleave
-    finally:
-        os.close(fd)
-    entries = _synced(local)  # now with the lines just appended
-    if f.stat().st_size > 2 * len(entries) * 64 + (1 << 20):  # about twice the live lines, and over 1 MiB
-        atomic_write(f, "".join(json.dumps([k, v]) + "\n" for k, v in entries.items()))
+    with _LEDGER_LOCK:
+        fd = os.open(f, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, lines)  # one write: appends of processes sharing the mirror do not interleave
+        finally:
+            os.close(fd)
+        entries = _synced(local)  # now with the lines just appended
+        if f.stat().st_size > 2 * len(entries) * 64 + (1 << 20):  # about twice the live lines, and over 1 MiB
+            atomic_write(f, "".join(json.dumps([k, v]) + "\n" for k, v in entries.items()))
 
 
 def _stat(f: Path) -> list[int]:
@@ -279,12 +281,41 @@ def pull(uri: str, local: Path) -> bool:
             remote_ns = int(info.mtime_ns or 0)
             if dst.is_file() and synced.get(rel) == _stat(dst) and synced.get("@" + rel) == [info.size, remote_ns]:
                 continue
-            with fs.open_input_stream(info.path) as src, atomic(dst) as tmp, open(tmp, "wb") as out:
-                while chunk := src.read(PULL_CHUNK):
-                    out.write(chunk)
+            _download(fs, info.path, dst)
             changed[rel], changed["@" + rel] = _stat(dst), [info.size, remote_ns]
         _save_synced(local, changed)
     return True
+
+
+def _download(fs: Any, src: str, dst: Path) -> None:
+    """Stream one object into ``dst`` in ``PULL_CHUNK`` pieces through a temporary file renamed into place."""
+    with fs.open_input_stream(src) as stream, atomic(dst) as tmp, open(tmp, "wb") as out:
+        while chunk := stream.read(PULL_CHUNK):
+            out.write(chunk)
+
+
+def fetch(folder: Path | str, rels: list[str]) -> int:
+    """Download the named files of a mirror folder that are not here yet, each by its own name: no listing of
+    the folder's storage (``refresh`` lists it all, a LIST per call that grows with the folder: a learner step
+    whose images rollout actors on other nodes published would list every image of the run). Returns how many
+    it downloaded; a name stored nowhere is a ``DataError``."""
+    folder = Path(folder)
+    uri = location(folder)
+    if uri == str(folder):
+        return 0
+    fs, path = open_root(uri)
+    changed: dict[str, list[int]] = {}
+    for rel in rels:
+        dst = folder / rel
+        if dst.is_file():
+            continue
+        info = fs.get_file_info(f"{path}/{rel}")  # one HEAD
+        if info.type.name != "File":
+            raise DataError(f"{join(uri, rel)}: not in storage (a file this run should have published)")
+        _download(fs, info.path, dst)
+        changed[rel], changed["@" + rel] = _stat(dst), [info.size, int(info.mtime_ns or 0)]
+    _save_synced(folder, changed)
+    return len(changed) // 2
 
 
 def mirror(uri: str) -> Path:

@@ -71,12 +71,14 @@ S3_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "A
 
 
 @pytest.fixture(scope="session")
-def s3_store():
+def s3_store(tmp_path_factory):
     """A real S3-compatible object store on loopback (moto's server mode) with one bucket, ``osvl-test``.
 
-    Yields ``{"endpoint", "bucket", "env"}``; ``env`` holds the settings a client needs (endpoint,
+    Yields ``{"endpoint", "bucket", "env", "recording"}``; ``env`` holds the settings a client needs (endpoint,
     dummy credentials, ``AWS_EC2_METADATA_DISABLED=true``). They are also set in this process's
     environment for the session, so the storage layer and any Ray worker started here inherit them.
+    ``recording``: the file moto's request recorder writes to while a test has it on
+    (``/moto-api/recorder/start-recording``), one JSON line per request: what a test reads to count requests.
     """
     import subprocess
     import sys
@@ -91,8 +93,9 @@ def s3_store():
         pytest.fail(f"moto_server not found beside {sys.executable}: run `make setup` (moto[server] is a dev "
                     "dependency)", pytrace=False)
     port = free_port()
+    recording = tmp_path_factory.mktemp("moto") / "requests.jsonl"
     proc = subprocess.Popen([server, "-H", LOOPBACK, "-p", str(port)], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+                            stderr=subprocess.DEVNULL, env={**os.environ, "MOTO_RECORDER_FILEPATH": str(recording)})
     endpoint = f"http://{LOOPBACK}:{port}"
     deadline = time.time() + 60
     while True:
@@ -109,7 +112,7 @@ def s3_store():
         for key, value in env.items():
             mp.setenv(key, value)
         urllib.request.urlopen(urllib.request.Request(f"{endpoint}/osvl-test", method="PUT"), timeout=10).close()
-        yield {"endpoint": endpoint, "bucket": "osvl-test", "env": env}
+        yield {"endpoint": endpoint, "bucket": "osvl-test", "env": env, "recording": recording}
     proc.terminate()
     proc.wait(timeout=15)
 

@@ -217,3 +217,46 @@ def test_publishing_one_image_appends_to_the_sync_ledger_whatever_its_size(s3_st
     assert statistics.median(large) <= 2 * statistics.median(small), (small, large)
     folder = storage.mirror(f"s3://{s3_store['bucket']}/ledger-100000")
     assert storage._synced(folder)["images/new-10.png"][0] == 2000  # the ledger still reads whole
+
+
+@pytest.mark.slow
+def test_a_learner_step_fetches_its_images_by_name_without_listing(s3_store, tmp_path, monkeypatch):
+    """Images a rollout actor published from another node reach the learner's mirror by name (one HEAD and one GET
+    each, in moto's request log) and no LIST request: the learner step's call (``storage.fetch``, as
+    ``osvl.rl.learner_loop`` makes it). The old way (``refresh``) lists the prefix; the log shows that too."""
+    import json
+    import urllib.request
+
+    uri = f"s3://{s3_store['bucket']}/fetch-run/images"
+    actor = storage.mirror(uri)  # the rollout actor's node
+    names = [f"{i:02d}.png" for i in range(3)]
+    for name in names + ["other.png"]:
+        (actor / name).write_bytes(os.urandom(500))
+    storage.publish(actor)
+    monkeypatch.setenv("OSVL_CACHE", str(tmp_path / "learner-node"))  # the learner's node: an empty cache
+    learner = storage.mirror_dir(uri)
+    learner.mkdir(parents=True)
+    (learner / storage.MARKER).write_text(uri)
+
+    def recorded(action) -> list[dict]:
+        api = f"{s3_store['endpoint']}/moto-api/recorder"
+        urllib.request.urlopen(urllib.request.Request(f"{api}/reset-recording", method="POST"), timeout=10).close()
+        urllib.request.urlopen(urllib.request.Request(f"{api}/start-recording", method="POST"), timeout=10).close()
+        try:
+            action()
+        finally:
+            urllib.request.urlopen(urllib.request.Request(f"{api}/stop-recording", method="POST"), timeout=10).close()
+        text = s3_store["recording"].read_text() if s3_store["recording"].exists() else ""
+        return [json.loads(line) for line in text.splitlines()]
+
+    def listing(req: dict) -> bool:
+        query = req["url"].partition("?")[2]
+        return req["method"] == "GET" and ("list-type" in query or "prefix=" in query or "delimiter" in query)
+
+    got = recorded(lambda: storage.fetch(learner, names))
+    assert [(learner / n).read_bytes() for n in names] == [(actor / n).read_bytes() for n in names]
+    assert not (learner / "other.png").exists()
+    assert got and not [r["url"] for r in got if listing(r)], [r["url"] for r in got]
+    assert sum(r["method"] == "GET" for r in got) == 3  # one GET per image, HEADs aside
+    assert recorded(lambda: storage.fetch(learner, names)) == []  # all here: no request at all
+    assert any(listing(r) for r in recorded(lambda: storage.refresh(learner)))  # the test can see a LIST

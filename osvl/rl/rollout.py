@@ -266,7 +266,9 @@ class RolloutWorker:
             self.in_flight -= 1
         if self.rec is not None:
             self._record_episode(traj)
-        self._save_images(traj, store)
+        # PNG encoding and the upload are seconds of blocking work at a remote root: off the loop, so the actor's
+        # other episodes keep generating meanwhile
+        await asyncio.to_thread(self._save_images, traj, store)
         scoring = dataclasses.replace(self.cfg.reward, prefix_end=self.mask_at)
         # a judge that stays unreachable marks the sample (judge_status="failed"); the buffer drops its group
         return await score_trajectory(traj, row, scoring, llm_judge=self.llm_judge, process_judge=self.process_judge)
