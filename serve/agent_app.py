@@ -3,9 +3,10 @@
 A client sends what it would send any vision chat model: a user message whose content has
 the question as text and the image as an ``image_url`` part (a ``data:image/...;base64,``
 URL, or an http(s) URL when ``fetch_urls`` is on). The replica runs the whole agent loop
-(``osvl.agent.loop.run_episode``) with its checkpoint, greedily, offering the tools the
-checkpoint was trained with, and answers an ordinary ``chat.completion`` whose message
-content is the final answer, plus one extra top-level field, ``osvl_trajectory``:
+(``osvl.agent.loop.run_episode``) with its checkpoint, greedily unless the request sets a
+temperature, offering the tools the checkpoint was trained with, and answers an ordinary
+``chat.completion`` whose message content is the final answer, plus one extra top-level field,
+``osvl_trajectory``:
 
     {"stop_reason": "response", "fatal": false, "events": [...],
      "turns": [{"text": ..., "action": "tool_call", "tool": "text_search", "arguments": {...},
