@@ -128,13 +128,40 @@ def test_walks_skip_hubs_lists_and_cycles(graph):
     assert skips["hub"] > 0 and skips["list_page"] > 0
 
 
+def test_a_development_split_is_disjoint_from_heldout_and_leaves_the_others_as_they_were(graph):
+    """A fourth share makes ``dev`` (where settings are tuned on figures) beside ``heldout`` (only reported on): no
+    seed, and no entity, is in both; a three-share config is the same assignment as a four-share one with dev 0."""
+    from osvl.synth.walks import assign_splits
+
+    seeds = graph.seeds()
+    three = assign_splits(graph, seeds, {"sft": 0.6, "rl": 0.3, "heldout": 0.1},
+                          {"sft": 0.5, "rl": 0.3, "heldout": 0.2}, run_seed=3)
+    zero = assign_splits(graph, seeds, {"sft": 0.6, "rl": 0.3, "heldout": 0.1, "dev": 0.0},
+                         {"sft": 0.5, "rl": 0.3, "heldout": 0.2, "dev": 0.0}, run_seed=3)
+    assert three == zero and "dev" not in set(three.values())
+    four = assign_splits(graph, seeds, {"sft": 0.4, "rl": 0.2, "heldout": 0.2, "dev": 0.2},
+                         {"sft": 0.4, "rl": 0.2, "heldout": 0.2, "dev": 0.2}, run_seed=3)
+    dev = {s for s in seeds if four[s] == "dev"}
+    held = {s for s in seeds if four[s] == "heldout"}
+    assert dev and held and not dev & held
+    assert {e for e, s in four.items() if s == "dev"}.isdisjoint({e for e, s in four.items() if s == "heldout"})
+    from osvl.errors import ConfigError
+    from osvl.synth.pipeline import SynthConfig, validate
+
+    validate(SynthConfig(split_fractions=[0.4, 0.2, 0.2, 0.2], entity_split_fractions=[0.4, 0.2, 0.2, 0.2]))
+    for seeds_f, entity_f in (([0.4, 0.2, 0.2, 0.2], [0.5, 0.3, 0.2]), ([0.4, 0.2, 0.2, 0.2], [0.5, 0.3, 0.2, 0.0]),
+                              ([0.5, 0.5], [0.5, 0.5])):
+        with pytest.raises(ConfigError, match="split_fractions|dev"):
+            validate(SynthConfig(split_fractions=seeds_f, entity_split_fractions=entity_f))
+
+
 def test_walks_stay_inside_the_seed_split(graph):
     from osvl.synth.walks import SPLITS, WalkConfig, assign_splits, random_walk
 
     seeds = graph.seeds()
     split_of = assign_splits(graph, seeds, {"sft": 0.6, "rl": 0.3, "heldout": 0.1},
                              {"sft": 0.5, "rl": 0.3, "heldout": 0.2}, run_seed=3)
-    assert set(split_of) == set(graph.entities) and set(split_of.values()) == set(SPLITS)
+    assert set(split_of) == set(graph.entities) and set(split_of.values()) == set(SPLITS) - {"dev"}
     assert Counter(split_of[s] for s in seeds) == {"sft": 7, "rl": 4, "heldout": 1}
     rng = np.random.default_rng(0)
     skips: Counter[str] = Counter()

@@ -115,9 +115,11 @@ class SynthConfig:
     workers: int = opt(2, "Ray Data actors synthesizing shards in parallel.", hashed=False)
     role_units: float = opt(0.0, "Units of the 'data' custom resource (osvl.cluster.ROLE_RESOURCES, declared on data "
                                  "nodes by cluster.yaml and deploy/) each worker requests; 0 = none.", hashed=False)
-    split_fractions: list[float] = opt([0.6, 0.3, 0.1], "sft/rl/heldout share of seeds (so of questions).")
+    split_fractions: list[float] = opt([0.6, 0.3, 0.1], "sft/rl/heldout[/dev] share of seeds (so of questions); "
+                                                        "a fourth share makes a development split, dev.parquet, "
+                                                        "disjoint from heldout (tune on dev, report on heldout).")
     entity_split_fractions: list[float] = opt(
-        [0.5, 0.3, 0.2], "sft/rl/heldout share of non-seed entities; small splits get a little more room "
+        [0.5, 0.3, 0.2], "sft/rl/heldout[/dev] share of non-seed entities; small splits get a little more room "
         "because their walks run in a thinner subgraph.")
     max_answer_share: float = opt(0.025, "Most questions one answer string may have (share of all).")
     max_seed_share: float = opt(0.08, "Most questions one seed may have (share of all).")
@@ -135,8 +137,12 @@ def validate(cfg: SynthConfig) -> None:
         raise ConfigError(f"walk.hop_probs must be non-negative and sum to 1, got {w.hop_probs}")
     for name in ("split_fractions", "entity_split_fractions"):
         f = getattr(cfg, name)
-        if len(f) != 3 or abs(sum(f) - 1) > 1e-6 or min(f) < 0:
-            raise ConfigError(f"{name} needs three non-negative shares (sft, rl, heldout) summing to 1, got {f}")
+        if len(f) not in (3, 4) or abs(sum(f) - 1) > 1e-6 or min(f) < 0:
+            raise ConfigError(f"{name} needs three or four non-negative shares (sft, rl, heldout[, dev]) summing "
+                              f"to 1, got {f}")
+    if (len(cfg.split_fractions) == 4) != (len(cfg.entity_split_fractions) == 4) or (
+            len(cfg.split_fractions) == 4 and (cfg.split_fractions[3] > 0) != (cfg.entity_split_fractions[3] > 0)):
+        raise ConfigError("split_fractions and entity_split_fractions must both give dev a share, or neither")
     if not 0 <= cfg.degrade.share <= 1:
         raise ConfigError(f"degrade.share must be in [0, 1], got {cfg.degrade.share}")
     unknown = set(cfg.degrade.kinds) - set(UNDO_TOOL)
@@ -154,8 +160,8 @@ def validate(cfg: SynthConfig) -> None:
 def plan(graph: Graph, cfg: SynthConfig) -> tuple[list[list[int]], dict[int, str]]:
     """Seeds dealt into shards, and every entity's split; the same on every worker."""
     seeds = graph.seeds(cfg.min_grounding_score)
-    fractions = dict(zip(SPLITS, cfg.split_fractions, strict=True))
-    entity_fractions = dict(zip(SPLITS, cfg.entity_split_fractions, strict=True))
+    fractions = dict(zip(SPLITS, cfg.split_fractions, strict=False))  # three shares: no dev split
+    entity_fractions = dict(zip(SPLITS, cfg.entity_split_fractions, strict=False))
     split_of = assign_splits(graph, seeds, fractions, entity_fractions, cfg.run.seed, cfg.walk.hub_in_degree,
                              depth=max(cfg.walk.hops))
     shards = [seeds[k::cfg.num_shards] for k in range(cfg.num_shards)]
@@ -506,7 +512,8 @@ def data_card(cfg: SynthConfig, table: pa.Table, counts: dict[str, Counter[str]]
                                            enumerate(np.histogram(score_values, bins=10, range=(0.0, 1.0))[0])}},
         "seeds_by_split": {split: {"yielded": counts.get("seeds", Counter())[f"{split}/yielded"],
                                    "empty": {k.split("/", 2)[2]: v for k, v in sorted(counts.get("seeds", {}).items())
-                                             if k.startswith(f"{split}/empty/")}} for split in SPLITS},
+                                             if k.startswith(f"{split}/empty/")}}
+                           for split in SPLITS[:len(cfg.split_fractions)]},
     }
 
 
@@ -551,7 +558,7 @@ def finalize(cfg: SynthConfig, out: Path, num_shards: int, seconds: float, seeds
         counts.setdefault("difficulty_filter", Counter())["rejected"] += before - table.num_rows
     counts["caps"] = Counter()
     table = cap_shares(table, cfg.max_answer_share, cfg.max_seed_share, counts["caps"])
-    for split in SPLITS:
+    for split in SPLITS[:len(cfg.split_fractions)]:  # dev.parquet only when the config makes a dev split
         part = table.filter(pc.equal(table.column("split"), split))
         with storage.atomic(out / f"{split}.parquet") as tmp:
             pq.write_table(part, tmp)

@@ -36,7 +36,9 @@ import numpy as np
 
 from osvl.synth.invariants import fold
 
-Split = Literal["sft", "rl", "heldout"]
+Split = Literal["sft", "rl", "heldout", "dev"]
+"""``dev`` is the development split: where settings are tuned on figures, so that ``heldout`` is used only for
+the figures reported (empty unless a config gives it a share; a 3-share config is sft/rl/heldout as before)."""
 SPLITS = get_args(Split)
 
 # Infobox lines that are not facts about the thing (image captions, navigation, markup remnants).
@@ -200,6 +202,8 @@ def assign_splits(graph: Graph, seeds: list[int], fractions: dict[str, float],
                   poor: int = 3, depth: int = 1) -> dict[int, str]:
     """Give every entity one split: seeds in the exact proportions, their neighbourhoods with them, the rest by hash.
 
+    ``fractions`` and ``entity_fractions`` map split names to shares; a split they leave out gets none.
+
     Seeds are few (tens), so they are dealt out to hit the question shares. Then each
     seed claims its out-neighbours for its split, and, up to ``depth`` hops (the longest
     walk), every *poor* entity (at most ``poor`` walkable out-neighbours) claimed so far
@@ -240,6 +244,8 @@ def assign_splits(graph: Graph, seeds: list[int], fractions: dict[str, float],
             parent[ra] = rb
             size[rb] += size[ra]
 
+    fractions = {s: fractions.get(s, 0.0) for s in SPLITS}
+    entity_fractions = {s: entity_fractions.get(s, 0.0) for s in SPLITS}
     positive = [f for f in fractions.values() if f > 0]
     bound = max(2, round(min(positive, default=1.0) * len(seeds)))  # the smallest split's share of seeds
     poor_seeds = [e for e in seeds if len(walkable(e)) <= poor]
@@ -288,13 +294,14 @@ def assign_splits(graph: Graph, seeds: list[int], fractions: dict[str, float],
                     split_of[dst] = split_of[e]
                     claimed.append(dst)
         frontier = claimed
+    last = [s for s in SPLITS if entity_fractions[s] > 0][-1]  # rounding's leftover: never a split with no share
     for eid in graph.entities:
         if eid in split_of:
             continue
         u, cum = _unit(run_seed, "entity", eid), 0.0
         for name in SPLITS:
             cum += entity_fractions[name]
-            if u < cum or name == SPLITS[-1]:
+            if u < cum or name == last:
                 split_of[eid] = name
                 break
     return split_of
