@@ -51,6 +51,7 @@ on a language model.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import multiprocessing as mp
 import sys
@@ -64,7 +65,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from osvl.agent.fatal import find_fatal, mask_start  # noqa: E402
+from osvl.agent.fatal import NOT_FATAL, find_fatal, mask_start  # noqa: E402
 from osvl.agent.reward import RewardConfig, score_trajectory  # noqa: E402
 from osvl.agent.trajectory import Trajectory, Turn  # noqa: E402
 from osvl.rl.loss import MODES, apply_mode, group_advantages, policy_loss, stats_members, token_mask  # noqa: E402
@@ -92,7 +93,7 @@ class Env:
     GROUPS: int = 8
     LR: float = 0.01
     EVAL_EVERY: int = 10
-    AGGREGATION: str = "seq_mean_token_mean"  # the paper's; --aggregation= for the diagnostic in docs/measurements.md
+    AGGREGATION: str = "seq_mean_token_mean"  # the paper's (docs/measurements.md's diagnostic: token_mean)
 
 
 ENV = Env()
@@ -136,16 +137,11 @@ def success_probability(probs: np.ndarray, H: int, env: Env) -> float:
     return float(done)
 
 
-QUESTION_CACHE: dict[int, dict[str, Any]] = {}
-
-
+@functools.cache
 def question(H: int) -> dict[str, Any]:
     """The synthetic question's row: the path titles r_query's progress reads."""
-    if H not in QUESTION_CACHE:
-        QUESTION_CACHE[H] = {"id": f"h{H}", "question": f"Which entity is {H} hops from the pictured Entity0?",
-                             "answer": f"Entity{H}", "answer_aliases": [],
-                             "path": [{"title": f"Entity{h}"} for h in range(H + 1)]}
-    return QUESTION_CACHE[H]
+    return {"id": f"h{H}", "question": f"Which entity is {H} hops from the pictured Entity0?",
+            "answer": f"Entity{H}", "answer_aliases": [], "path": [{"title": f"Entity{h}"} for h in range(H + 1)]}
 
 
 def _score(traj: Trajectory, row: dict[str, Any]) -> Trajectory:
@@ -200,7 +196,6 @@ def episode(policy: np.ndarray, H: int, regime: str, env: Env, u_act: np.ndarray
             turns.append(Turn(t + 1, "", "response"))
             stop, final = "response", row["answer"]
             break
-        c = min(c, env.K - 1)
     traj = Trajectory(id="", question_id=row["id"], group_id="", kind="policy", question=row["question"],
                       answer=row["answer"], answer_aliases=[], input_ids=[], gen_mask=[], logprobs=[], step_ids=[],
                       images=[], image_max_pixels=[], processor={}, turns=turns,
@@ -244,7 +239,7 @@ def run(regime: str, H: int, seed: int, steps: int, env: Env = ENV) -> dict[str,
                     hs[i, t], cs[i, t], acts[i, t], gen[i, t] = h, c, a, 1.0
             start = torch.tensor([mask_start(tr.fatal_cascade_start, tr.fatal_kth, "cascade") for tr, _ in eps])
             if not MODES[mode].mask_post_fatal:
-                start = torch.full_like(start, 1 << 30)
+                start = torch.full_like(start, NOT_FATAL)
             mask = token_mask(gen, torch.arange(turns).expand(B, turns), start)
             logp = torch.log_softmax(logits[hs, cs], -1).gather(-1, acts.unsqueeze(-1)).squeeze(-1)
             loss = policy_loss(logp, logp.detach(), adv, mask, weight, gen_mask=gen, aggregation=env.AGGREGATION).loss
