@@ -97,11 +97,8 @@ class OutageClient:
         cfg.check()
         self.inner, self.cfg = inner, cfg
 
-    def __getattr__(self, name: str) -> Any:
+    def __getattr__(self, name: str) -> Any:  # call, schemas, close, stats: the wrapped client's
         return getattr(self.inner, name)
-
-    async def call(self, *args: Any, **kwargs: Any) -> ToolResult:
-        return await self.inner.call(*args, **kwargs)
 
     def outage(self, episode_seed: int, turns: int) -> Outage | None:
         return draw_outage(self.cfg, episode_seed, turns)
