@@ -75,7 +75,7 @@ from osvl.agent.loop import AgentConfig
 from osvl.config import from_dict, opt
 from osvl.errors import FetchRefused, InvalidCall, OsvlError
 from osvl.tools.client import MAX_PIXELS, decode_image
-from serve.app import LOOPBACK_HOSTS, SWALLOW_FACTOR, ToolAPI, serve_until_interrupted
+from serve.app import SWALLOW_FACTOR, ToolAPI, check_host, serve_until_interrupted
 
 AGENT_APP = "osvl_agent"
 _NAME_ONLY = re.compile(r"^\s*img_\d+\s*$")
@@ -410,15 +410,6 @@ def deploy(cfg: AgentServeConfig, tools: Any = None) -> None:
     if cfg.tools == "handle":
         run_unless_running(tools, cfg.tools_route_prefix)
     serve.run(make_agent_app(cfg), name=cfg.app_name, route_prefix=cfg.route_prefix)
-
-
-def check_host(cfg: AgentServeConfig) -> None:
-    """``ConfigError`` when ``cfg.host`` is off loopback and no token is set (the tool API's rule)."""
-    from osvl.errors import ConfigError
-
-    if cfg.host not in LOOPBACK_HOSTS and not os.environ.get(cfg.token_env):
-        raise ConfigError(f"refusing to serve the agent on {cfg.host} without a bearer token: set {cfg.token_env} "
-                          "where the app is built, or keep host at 127.0.0.1")
 
 
 def main(argv: list[str] | None = None) -> None:

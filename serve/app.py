@@ -698,6 +698,17 @@ def build_app(args: dict[str, Any]) -> serve.Application:
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 
 
+def check_host(cfg: Any) -> None:
+    """``ConfigError`` when a service's ``cfg.host`` is off loopback and its token (``cfg.token_env``) is not set:
+    the rule of the agent service and the MCP server, which bind their own host (the tool API's is Serve's:
+    ``refuse_open_without_token``)."""
+    if cfg.host not in LOOPBACK_HOSTS and not os.environ.get(cfg.token_env):
+        from osvl.errors import ConfigError
+
+        raise ConfigError(f"refusing to serve on {cfg.host} without a bearer token: set {cfg.token_env} where the "
+                          "app is built, or keep host at 127.0.0.1")
+
+
 def refuse_open_without_token(cfg: ServeConfig) -> None:
     """Raise ``ConfigError`` (one line) when Serve's HTTP proxy binds beyond loopback and no token is set.
 

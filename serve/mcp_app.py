@@ -52,7 +52,7 @@ from osvl.config import opt
 from osvl.errors import ConfigError, InvalidCall
 from osvl.tools.base import MAX_PIXELS, Tool, ToolResult
 from osvl.tools.client import ToolClient, decode_image, make_client, png_bytes, result_to_wire
-from serve.app import LOOPBACK_HOSTS, ToolAPI
+from serve.app import ToolAPI, check_host
 
 MCP_PATH = "/mcp"
 IMAGES_PROPERTY: dict[str, Any] = {
@@ -87,13 +87,6 @@ class McpConfig:
     max_body_bytes: int = opt(32 * 2**20, "Largest request body, bytes (the tool API's default; base64 images "
                                           "are a third larger than their files).")
     timeout_s: float = opt(60.0, "Deadline of one tool call, seconds (a timeout result after).")
-
-
-def check_host(cfg: McpConfig) -> None:
-    """``ConfigError`` when ``cfg.host`` is off loopback and no token is set (the tool API's rule)."""
-    if cfg.host not in LOOPBACK_HOSTS and not os.environ.get(cfg.token_env):
-        raise ConfigError(f"refusing to serve the MCP tools on {cfg.host} without a bearer token: set "
-                          f"{cfg.token_env} where the app is built, or keep host at 127.0.0.1")
 
 
 def served_tools(cfg: McpConfig) -> dict[str, Tool]:
