@@ -260,7 +260,7 @@ def train_loop(config: dict[str, Any]) -> None:  # pragma: no mutate block
                 # images written by rollout actors on other nodes: fetched by name (a LIST of the run's images
                 # per step would grow with the run)
                 storage.fetch(image_dir, sorted({f"{sha}.png" for chunk, _ in share for g, _ in chunk for t in g
-                                                 for sha in t.images if not (image_dir / f"{sha}.png").is_file()}))
+                                                 for sha in t.images}))  # those here already are skipped there
                 res = learner.step([(rl_batch(chunk, str(image_dir), processor, cfg), live) for chunk, live in share])
                 rehearsal.note_peak("step1")
             else:  # every group of the step dropped: nothing to learn from, the step still counts
