@@ -40,23 +40,18 @@ def demo_trajectories(run: RunConfig, grpo: GRPOConfig, split: str, n: int,
     """The oracle's trajectories (one rollout each) of the first ``n`` (0: every) questions of ``split`` under the
     data recipe of ``grpo`` (a GRPO profile's config, ``grpo_recipe``: its ``synth`` and ``trajectories``
     sections; ``synth``, when given, replaces the former: a card's record of the recipe its policy was made
-    with), built or reused under ``run.root``, and the titles of the held-out split's entities. The committed
+    with), built or reused under ``run.root``, and the titles of the held-out and dev splits' entities. The committed
     policy's test rebuilds its probe with it."""
     from osvl.config import upstream_config
     from osvl.synth import expert, pipeline
 
     scfg = upstream_config(pipeline.SynthConfig, pipeline.JOB, run, grpo.synth if synth is None else synth)
     qdir, _ = pipeline.run(scfg)
-    # The oracle's text without its answers from memory (teacher.oracle.recall, and the process filter the
-    # profile turns off for them): a row that copies nothing teaches no copying, and the committed policy's
-    # card was measured on the copy-only recipe.
-    traj = {k: v for k, v in grpo.trajectories.items() if k != "min_r_query"}
-    teacher = dict(traj.get("teacher") or {})
-    traj["teacher"] = {**teacher, "oracle": {**(teacher.get("oracle") or {}), "recall": 0.0}}
     tcfg = upstream_config(expert.TrajConfig, expert.JOB, run, {
-        "questions": str(qdir), "offer": list(grpo.rollout.offer), **traj,
+        "questions": str(qdir), "offer": list(grpo.rollout.offer), **grpo.trajectories,
         "split": split, "max_questions": n, "n_teacher_rollouts": 1, "tiny_kind": BASE_KIND})
-    return expert.run(tcfg)[0] / "trajectories.parquet", pipeline.split_titles(scfg, "heldout")
+    # the corpus shows nothing of the entities questions are scored on: held-out, nor dev where settings are tuned
+    return expert.run(tcfg)[0] / "trajectories.parquet", pipeline.split_titles(scfg, "heldout", "dev")
 
 
 def grpo_recipe(grpo_profile: str) -> GRPOConfig:

@@ -110,7 +110,7 @@ def test_sub_job_overrides_are_typed_by_the_sub_jobs_configs():
     assert cfg.trajectories["teacher"]["oracle"] == {"top_k": 3, "think": "full", "wording": "fixed",
                                                      "reorder_prob": 0.0, "copy_space": True, "verbatim": True,
                                                      "in_order": True, "look_up": True, "look_up_top_k": 1,
-                                                     "quote": True, "recall": 0.8, "recall_match": r"animal shown\?$"}
+                                                     "quote": True}
 
 
 @pytest.mark.parametrize(("flag", "message"), [

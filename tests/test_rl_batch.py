@@ -109,6 +109,18 @@ def test_rl_batch_cut_keeps_a_long_row_and_its_group_statistics(processor):
         rl_batch(gs, "", processor, RLConfig(max_len=36, truncation="cutt"))
 
 
+def test_rl_batch_null_control_hands_each_reward_to_the_next_sample(processor):
+    """The null control's advantages are the real ones moved one sample on within each group (same sizes, no
+    information about which sample did better); the rewards recorded stay each sample's own."""
+    gs = groups()
+    real = rl_batch(gs, "", processor, RLConfig(max_len=100))
+    null = rl_batch(gs, "", processor, RLConfig(max_len=100, null_control=True))
+    assert null["reward"].tolist() == real["reward"].tolist()
+    for g in (slice(0, 3), slice(3, 6)):
+        assert null["raw_adv"][g].tolist() == pytest.approx(real["raw_adv"][g].roll(1).tolist())
+    assert null["raw_adv"][0].item() == pytest.approx(real["raw_adv"][2].item()) != pytest.approx(real["raw_adv"][0].item())
+
+
 def _ids(chunks) -> list[list[tuple[str, tuple[int, ...]]]]:
     return [[(g[0].group_id, rows) for g, rows in chunk] for chunk in chunks]
 

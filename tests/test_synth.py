@@ -145,6 +145,17 @@ def test_a_development_split_is_disjoint_from_heldout_and_leaves_the_others_as_t
     held = {s for s in seeds if four[s] == "heldout"}
     assert dev and held and not dev & held
     assert {e for e, s in four.items() if s == "dev"}.isdisjoint({e for e, s in four.items() if s == "heldout"})
+    # four shares deal (sft + rl, heldout, dev) as three shares deal (sft, rl, heldout), then sft + rl apart:
+    # a three-share held-out split becomes dev and its rl split a fresh held-out one, every seed and entity
+    # of its sft split staying in sft or rl (how the demo moved its tuned-on held-out split, configs/grpo/demo.yaml)
+    old = assign_splits(graph, seeds, {"sft": 0.45, "rl": 0.2, "heldout": 0.35},
+                        {"sft": 0.4, "rl": 0.25, "heldout": 0.35}, run_seed=3)
+    moved = assign_splits(graph, seeds, {"sft": 0.25, "rl": 0.2, "heldout": 0.2, "dev": 0.35},
+                          {"sft": 0.25, "rl": 0.15, "heldout": 0.25, "dev": 0.35}, run_seed=3)
+    assert set(moved) == set(old) == set(graph.entities)
+    assert {e: {"heldout": "dev", "rl": "heldout"}.get(s, "train") for e, s in old.items()} == {
+        e: "train" if s in ("sft", "rl") else s for e, s in moved.items()}
+    assert Counter(moved[s] for s in seeds if old[s] == "sft") == {"sft": 3, "rl": 3}
     from osvl.errors import ConfigError
     from osvl.synth.pipeline import SynthConfig, validate
 

@@ -52,6 +52,10 @@ class RLConfig:
         "(the paper's text, where masking 'commences', and its released code) or the K-th failure (a literal "
         "reading of the formula's fatal step).")
     group_size: int = opt(8, "G: samples per question; advantages are normalised within a group.")
+    null_control: bool = opt(False, "A null control: each group's rewards move one sample on (sample i is scored "
+                                    "with sample i-1's reward) before the advantages, so the updates are as large "
+                                    "as a real run's and say nothing about which sample did better: what a GRPO "
+                                    "gain has to beat.")
     baseline: Literal["grpo", "rloo"] = opt("grpo", "grpo: (r-mean)/(std+delta); rloo: leave-one-out mean (the "
                                                     "paper's configuration table).")
     eps_low: float = opt(0.2, "Lower clip of the importance ratio (1 - eps_low).")

@@ -111,7 +111,8 @@ def rl_batch(groups: Sequence[Sequence[Any] | Piece], image_dir: str, processor:
         trajs, rows = item if isinstance(item, tuple) else (item, None)
         trainable = [i for i, tr in enumerate(trajs) if _trainable(tr, cfg)]
         fatal = torch.tensor([trajs[i].fatal_kth >= 0 for i in trainable], dtype=torch.bool)
-        adv = dict(zip(trainable, group_advantages(torch.tensor([trajs[i].reward for i in trainable]),
+        rewards = torch.tensor([trajs[i].reward for i in trainable])
+        adv = dict(zip(trainable, group_advantages(rewards.roll(1) if cfg.null_control else rewards,
                                                    torch.zeros(len(trainable), dtype=torch.long),
                                                    baseline=cfg.baseline, member=stats_members(fatal, cfg.mode)),
                        strict=True))

@@ -168,12 +168,12 @@ def plan(graph: Graph, cfg: SynthConfig) -> tuple[list[list[int]], dict[int, str
     return shards, split_of
 
 
-def split_titles(cfg: SynthConfig, split: str) -> set[str]:
-    """Titles of every entity ``cfg`` puts in ``split`` (seeds, bridges, answers' owners and all the rest:
+def split_titles(cfg: SynthConfig, *splits: str) -> set[str]:
+    """Titles of every entity ``cfg`` puts in one of ``splits`` (seeds, bridges, answers' owners and all the rest:
     ``plan`` gives every entity of the KG one split), e.g. what a corpus must leave out to keep held-out clean."""
     graph = Graph.load(cfg.kg_dir or None, max_answer_words=cfg.walk.max_answer_words)
     _, split_of = plan(graph, cfg)
-    return {graph.entities[i].title for i, s in split_of.items() if s == split}
+    return {graph.entities[i].title for i, s in split_of.items() if s in splits}
 
 
 ROW_SCHEMA = pa.schema([

@@ -204,6 +204,34 @@ def assign_splits(graph: Graph, seeds: list[int], fractions: dict[str, float],
 
     ``fractions`` and ``entity_fractions`` map split names to shares; a split they leave out gets none.
 
+    With a ``dev`` share the deal takes two rounds: first (sft + rl, heldout, dev), exactly as a three-share
+    config deals (sft, rl, heldout), then the first group's seeds and entities into sft and rl. So a
+    three-share config's held-out split can become a development split (where settings were tuned on
+    figures) and its rl split a held-out one no setting was tuned on, the other seeds staying where they were:
+    how the demo profile moved its splits on 2026-12-06 (``_deal`` has the how).
+    """
+    shares = {s: fractions.get(s, 0.0) for s in SPLITS}
+    entity_shares = {s: entity_fractions.get(s, 0.0) for s in SPLITS}
+    args = (run_seed, hub_in_degree, poor, depth)
+    if shares["dev"] <= 0:
+        three = ("sft", "rl", "heldout")
+        return _deal(graph, seeds, {s: shares[s] for s in three}, {s: entity_shares[s] for s in three}, *args)
+    first = _deal(graph, seeds, *({"train": f["sft"] + f["rl"], "heldout": f["heldout"], "dev": f["dev"]}
+                                  for f in (shares, entity_shares)), *args)
+    train = {e for e, s in first.items() if s == "train"}
+    if not train:  # sft and rl have no share
+        return first
+    second = _deal(graph, [e for e in seeds if e in train],
+                   *({"sft": f["sft"] / (f["sft"] + f["rl"]), "rl": f["rl"] / (f["sft"] + f["rl"])}
+                     for f in (shares, entity_shares)), *args, domain=train)
+    return {**first, **second}
+
+
+def _deal(graph: Graph, seeds: list[int], fractions: dict[str, float], entity_fractions: dict[str, float],
+          run_seed: int, hub_in_degree: int, poor: int, depth: int, domain: set[int] | None = None) -> dict[int, str]:
+    """One round of ``assign_splits`` over the splits ``fractions`` names (in its order), for every entity of
+    ``domain`` (default: the whole graph; a second round's, whose seeds share their first hops, see below).
+
     Seeds are few (tens), so they are dealt out to hit the question shares. Then each
     seed claims its out-neighbours for its split, and, up to ``depth`` hops (the longest
     walk), every *poor* entity (at most ``poor`` walkable out-neighbours) claimed so far
@@ -244,8 +272,7 @@ def assign_splits(graph: Graph, seeds: list[int], fractions: dict[str, float],
             parent[ra] = rb
             size[rb] += size[ra]
 
-    fractions = {s: fractions.get(s, 0.0) for s in SPLITS}
-    entity_fractions = {s: entity_fractions.get(s, 0.0) for s in SPLITS}
+    names = list(fractions)
     positive = [f for f in fractions.values() if f > 0]
     bound = max(2, round(min(positive, default=1.0) * len(seeds)))  # the smallest split's share of seeds
     poor_seeds = [e for e in seeds if len(walkable(e)) <= poor]
@@ -278,28 +305,43 @@ def assign_splits(graph: Graph, seeds: list[int], fractions: dict[str, float],
     dealt: Counter[str] = Counter()
     for group in order:
         total = sum(dealt.values()) + len(group)
-        name = max(SPLITS, key=lambda s: (fractions[s] * total - dealt[s], fractions[s]))
+        name = max(names, key=lambda s: (fractions[s] * total - dealt[s], fractions[s]))
         for e in group:
             split_of[e] = name
         dealt[name] += len(group)
     # the poorest seeds claim first: a rich seed loses little to another split
     frontier = sorted(seeds, key=lambda e: (len(walkable(e)), _unit(run_seed, "seed", e)))
-    for level in range(1, max(1, depth) + 1):
+    if domain is not None:
+        # A second round's seeds share most of their neighbours (the first round claimed them for the group
+        # as a whole), so first come would leave the last seeds nothing (rl got 100 of the group's 5,123
+        # entities in the demo's KG): a neighbour of seeds in several splits goes to one of them by hash.
+        claimants: dict[int, set[str]] = defaultdict(set)
+        for e in seeds:
+            for dst in graph.neighbours(e):
+                if dst in domain and dst not in split_of:
+                    claimants[dst].add(split_of[e])
+        for dst, splits in sorted(claimants.items()):
+            pick = [n for n in names if n in splits]
+            u = _unit(run_seed, "entity", dst) * sum(fractions[n] for n in pick)
+            split_of[dst] = next((n for k, n in enumerate(pick) if u < sum(fractions[m] for m in pick[:k + 1])),
+                                 pick[-1])
+        frontier = sorted(claimants, key=lambda e: (len(walkable(e)), e))
+    for level in range(1 if domain is None else 2, max(1, depth) + 1):
         claimed = []
         for e in frontier:
             if level > 1 and len(walkable(e)) > poor:
                 continue
             for dst in graph.neighbours(e) if level == 1 else walkable(e):
-                if dst not in split_of:
+                if dst not in split_of and (domain is None or dst in domain):
                     split_of[dst] = split_of[e]
                     claimed.append(dst)
         frontier = claimed
-    last = [s for s in SPLITS if entity_fractions[s] > 0][-1]  # rounding's leftover: never a split with no share
-    for eid in graph.entities:
+    last = [s for s in names if entity_fractions[s] > 0][-1]  # rounding's leftover: never a split with no share
+    for eid in graph.entities if domain is None else sorted(domain):
         if eid in split_of:
             continue
         u, cum = _unit(run_seed, "entity", eid), 0.0
-        for name in SPLITS:
+        for name in names:
             cum += entity_fractions[name]
             if u < cum or name == last:
                 split_of[eid] = name
