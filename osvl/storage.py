@@ -33,7 +33,7 @@ import json
 import os
 import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
@@ -428,6 +428,56 @@ def listdir(where: str) -> list[str]:
     fs, path = _at(where)
     infos = fs.get_file_info(pafs.FileSelector(path, recursive=False, allow_not_found=True))
     return sorted(i.path.rstrip("/").rpartition("/")[2] for i in infos)
+
+
+def read_text(where: str) -> str | None:
+    """The small text object at ``where``, or None when nothing is stored there (read by name: no LIST)."""
+    fs, path = _at(where)
+    try:
+        with fs.open_input_stream(path) as f:
+            return f.read().decode()
+    except (FileNotFoundError, OSError):
+        return None
+
+
+class UploadQueue:
+    """Tasks (callables that upload) run one after another on a background thread, at most ``max_pending``
+    waiting: ``submit`` returns at once unless the queue is full, then it waits for room, so a producer
+    (the learner saving checkpoints) runs ahead of its uploads by a bounded amount. The first error a task
+    raises is raised again by the next ``submit`` or ``wait``: an upload that failed is never taken as done."""
+
+    def __init__(self, max_pending: int = 1) -> None:
+        import queue
+
+        self._tasks: queue.Queue[Callable[[], None] | None] = queue.Queue(maxsize=max_pending)
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="osvl-uploads", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            task = self._tasks.get()
+            try:
+                if task is not None and self._error is None:
+                    task()
+            except BaseException as e:  # noqa: BLE001 - kept and raised in the producer's thread
+                self._error = e
+            finally:
+                self._tasks.task_done()
+
+    def _raise(self) -> None:
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise StorageError(f"a background upload failed: {err}") from err
+
+    def submit(self, task: Callable[[], None]) -> None:
+        self._raise()
+        self._tasks.put(task)
+
+    def wait(self) -> None:
+        """Block until every submitted task has run; raise the first error one raised."""
+        self._tasks.join()
+        self._raise()
 
 
 def upload(local: Path | str, where: str) -> None:

@@ -108,9 +108,10 @@ def test_owned_files_split_deepspeed_files_by_rank(tmp_path):
 def test_prunable_keeps_the_newest_marked_and_drops_unmarked():
     names = ["step_000001", "step_000002", "step_000003", "step_000004", "step_000005", "other"]
     marked = {"step_000001", "step_000002", "step_000004"}
-    assert ckpt._prunable(names, marked, 2, "step_000004") == ["step_000001", "step_000003", "step_000005"]
-    assert ckpt._prunable(names, marked, 0, "step_000004") == ["step_000003", "step_000005"]  # 0: keep all marked
-    assert ckpt._prunable(names, marked, 1, "step_000002") == ["step_000001", "step_000003", "step_000005"]
+    # an unmarked folder newer than the checkpoint just marked may be the next one, still uploading: kept
+    assert ckpt._prunable(names, marked, 2, "step_000004") == ["step_000001", "step_000003"]
+    assert ckpt._prunable(names, marked, 0, "step_000004") == ["step_000003"]  # 0: keep all marked
+    assert ckpt._prunable(names, marked, 1, "step_000002") == ["step_000001"]
 
 
 def test_save_to_a_local_root_marks_last_renames_and_prunes(tmp_path, fake_ds, monkeypatch):
@@ -171,16 +172,21 @@ def test_save_to_a_remote_root_uploads_marker_last_prunes_there_and_keeps_no_loc
     monkeypatch.setattr(storage, "upload", spy)
     for step in (2, 3, 4):
         _save(root, step)
+        ckpt.wait_uploads()
         assert not [p for p in root.iterdir() if p.is_dir()], "a node-local copy was kept"
         assert ckpt.latest(root) is None  # this node holds none ...
     mine = [u for u in uploads if u.startswith("step_000004/")]  # ... the run root holds step 4,
-    assert len(mine) == 7 and mine[-1] == f"step_000004/{ckpt.MARKER}"  # its marker uploaded last
+    assert len(mine) == 8 and mine[-2:] == [f"step_000004/{ckpt.RECEIPTS}/rank_0.json",
+                                            f"step_000004/{ckpt.MARKER}"]  # its marker uploaded last
     files = _bucket_files(storage.join(uri, "checkpoints"))
-    assert {f.split("/")[0] for f in files} == {"step_000003", "step_000004"}  # step 1, 2 and the dead 5 pruned
+    # steps 1 and 2 pruned; the dead 5 is newer than any step saved, so it could be one still uploading: it
+    # stays, unmarked (never taken as a checkpoint), until the run saves step 5
+    assert {f.split("/")[0] for f in files} == {"step_000003", "step_000004", "step_000005"}
     fs, path = storage.open_root(storage.join(uri, "checkpoints", "step_000004", ckpt.MARKER))
     with fs.open_input_stream(path) as f:
         marker = json.loads(f.read())
-    assert {f"step_000004/{f}" for f in marker["files"]} | {f"step_000004/{ckpt.MARKER}"} == \
+    assert {f"step_000004/{f}" for f in marker["files"]} | {f"step_000004/{ckpt.MARKER}",
+                                                           f"step_000004/{ckpt.RECEIPTS}/rank_0.json"} == \
         {f for f in files if f.startswith("step_000004/")}
 
     # a resume on a node with no copy pulls the newest marked one whole
@@ -194,6 +200,54 @@ def test_save_to_a_remote_root_uploads_marker_last_prunes_there_and_keeps_no_loc
     ckpt.drop_local(root)
     assert not [p for p in root.iterdir() if p.is_dir()]
 
+
+
+def test_a_checkpoint_uploads_while_the_next_step_trains_and_counts_only_once_stored(
+        s3_store, tmp_path, fake_ds, monkeypatch):
+    """The learner saves (files staged), trains on while the files upload (every upload here takes 0.3 s), and
+    the checkpoint is not the latest until its marker is stored after every file; a third save waits for room
+    in the bounded queue instead of piling staged checkpoints up."""
+    import time
+
+    uri = f"s3://{s3_store['bucket']}/ckpt-bg-{tmp_path.name}/grpo/run"
+    root = storage.mirror(uri) / "checkpoints"
+    spans: list[tuple[str, float, float]] = []
+    up = storage.upload
+
+    def slow(local, where):
+        t = time.monotonic()
+        time.sleep(0.3)
+        up(local, where)
+        spans.append((where.rpartition("/checkpoints/")[2], t, time.monotonic()))
+
+    monkeypatch.setattr(storage, "upload", slow)
+    engine = _engine()
+    t_save = time.monotonic()
+    _save(root, 2, engine=engine)
+    saved = time.monotonic()
+    assert ckpt.latest(root, fetch=True) is None  # staged, uploading: not a checkpoint yet
+    step_start = time.monotonic()  # the next learner step, on the same engine
+    engine.module(torch.ones(4, 2)).sum().backward()
+    engine.optimizer.step()
+    step_end = time.monotonic()
+    assert not storage.exists(storage.join(uri, "checkpoints", "step_000002", ckpt.MARKER))
+    ckpt.wait_uploads()
+    mine = [s for s in spans if s[0].startswith("step_000002/")]
+    assert mine[-1][0] == f"step_000002/{ckpt.MARKER}" and len(mine) == 8
+    assert saved - t_save < 0.3 < mine[-1][2] - t_save  # save returned before the first upload ended
+    assert mine[0][1] < step_end and mine[-1][2] > step_start  # the uploads overlap the next step
+    got = ckpt.latest(root, fetch=True)
+    assert got == root / "step_000002" and ckpt.is_complete(got)
+
+    spans.clear()
+    _save(root, 3, engine=engine)  # taken by the uploader at once
+    _save(root, 4, engine=engine)  # waits in the queue (room for one)
+    t = time.monotonic()
+    _save(root, 5, engine=engine)  # no room: returns once step 3 is stored and step 4 taken
+    step3_marked = next(end for name, _, end in spans if name == f"step_000003/{ckpt.MARKER}")
+    assert step3_marked <= time.monotonic() and step3_marked > t
+    ckpt.wait_uploads()
+    assert ckpt.latest(root, fetch=True) == root / "step_000005"
 
 def _two_node_rank(rank: int, tmp: str, uri: str, errors) -> None:
     """One rank of two, on its own "node" (its own storage cache): save steps 1 and 2, then resume."""
@@ -210,6 +264,7 @@ def _two_node_rank(rank: int, tmp: str, uri: str, errors) -> None:
         for step in (1, 2, 3):
             ckpt.save(_engine(rank), root, step, SimpleNamespace(step_count=step, skipped=0), None, None, rank, 2,
                       keep=2, local_rank=0)
+            ckpt.wait_uploads()
             assert not [p for p in root.iterdir() if p.is_dir()], f"rank {rank} kept a node-local copy"
         got = ckpt.resume_point(root, rank, 0, 2)
         assert got == root / "step_000003" and ckpt.is_complete(got), got
@@ -282,6 +337,7 @@ def _zero3_rank(rank: int, port: int, tmp: str, uri: str, path: str, errors) -> 
         root = bare_mirror()
         ckpt.save(eng, root, 1, SimpleNamespace(step_count=1, skipped=0), None, processor, rank, 2, keep=2,
                   local_rank=0)
+        ckpt.wait_uploads()
         assert not [p for p in root.iterdir() if p.is_dir()], f"rank {rank} kept a node-local copy"
         dist.barrier()
         shutil.rmtree(f"{tmp}/node{rank}")  # every node-local cache is lost

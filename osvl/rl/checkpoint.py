@@ -19,8 +19,12 @@ node-local mirror per node (``osvl.storage``), so no rank can rename another nod
 Each node's ranks write into a hidden staging folder ``.step_<NNNNNN>.tmp`` of their own run
 folder; every rank then uploads the files it wrote itself (DeepSpeed names them per rank:
 ``*zero_pp_rank_<r>_*``; rank 0 also every file that names no rank) straight to
-``<run root>/checkpoints/step_<NNNNNN>/``; once every rank has uploaded (a collective), rank 0
-writes the marker there. With a local run root, nothing is uploaded: rank 0 writes the marker
+``<run root>/checkpoints/step_<NNNNNN>/``, in the background (``storage.UploadQueue``: the next
+learner step starts while they upload; a rank with a checkpoint still waiting to upload waits
+before saving another), and then stores a receipt ``.uploaded/rank_<r>.json`` naming them. Rank 0's
+uploader writes the marker once every rank's receipt is there (read by name: no collective runs
+off the training thread), so a checkpoint never counts as done before its last byte is stored.
+With a local run root, nothing is uploaded: rank 0 writes the marker
 into the staging folder and renames it to ``step_<NNNNNN>``. Either way a run killed while
 saving leaves the previous checkpoint as the latest. With a remote run root the staging folders
 are deleted once the marker is stored (the node-local copies are only caches), and resuming
@@ -49,6 +53,10 @@ from osvl import storage
 
 PREFIX = "step_"
 MARKER = "COMPLETE"  # in a checkpoint folder: written last, after every rank's files are stored
+RECEIPTS = ".uploaded"  # in a remote checkpoint folder: rank_<r>.json, each rank's files, once it stored them
+RECEIPT_POLL_S = 0.2
+RECEIPT_TIMEOUT_S = 6 * 3600.0  # a rank that never reports (it died): the checkpoint stays unmarked
+_uploads: storage.UploadQueue | None = None  # this process's background uploader, made at its first remote save
 # a file of DeepSpeed's that belongs to one data-parallel rank (model states under ZeRO-3, optimizer states)
 RANK_FILE = re.compile(r"zero_pp_rank_(\d+)_mp_rank_")
 
@@ -218,35 +226,76 @@ def save(engine: Any, root: Path, step: int, learner: Any, buffer: Any, processo
         storage.atomic_write(stage / "buffer.pkl", pickle.dumps(_buffer_state(buffer)))
         write_probe(engine, stage / "probe.json", step)
     mine = owned_files(stage, rank)
+    if world > 1:
+        dist.barrier()  # every rank has listed its files: the staging folder is read-only from here on
     if uri is not None:
-        for rel in mine:
-            storage.upload(stage / rel, storage.join(uri, name, rel))
+        global _uploads
+        if _uploads is None:
+            _uploads = storage.UploadQueue(max_pending=1)
+        _uploads.submit(lambda: _upload(root, stage, uri, name, step, mine, rank, world, local_rank, keep))
+        return final
     files = [mine]
-    if world > 1:  # a collective: when it returns, every rank's files are stored
+    if world > 1:  # a collective: when it returns, every rank has written its files
         files = [None] * world
         dist.all_gather_object(files, mine)
     if rank == 0:
         marker = {"step": step, "world": world, "files": sorted(f for fs in files for f in fs)}
         storage.atomic_write(stage / MARKER, json.dumps(marker))
-        if uri is not None:
-            storage.upload(stage / MARKER, storage.join(uri, name, MARKER))
-        else:
-            shutil.rmtree(final, ignore_errors=True)
-            os.replace(stage, final)
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(stage, final)
         prune(root, keep, name)
     if world > 1:
         dist.barrier()
-    if uri is not None and local_rank == 0:
-        shutil.rmtree(stage, ignore_errors=True)  # stored at the run root: the node-local copy is only a cache
     return final
+
+
+def _upload(root: Path, stage: Path, uri: str, name: str, step: int, mine: list[str], rank: int, world: int,
+            local_rank: int, keep: int) -> None:
+    """One rank's part of storing a checkpoint at a remote run root, on the background uploader: its files, then
+    its receipt; on rank 0 the marker once every rank's receipt is there, then pruning. The first rank of each
+    node finally drops its node's staging folder, once the marker says every rank is done reading it."""
+    for rel in mine:
+        storage.upload(stage / rel, storage.join(uri, name, rel))
+    receipt = stage.parent / f".{name}.receipt-{rank}.json"
+    storage.atomic_write(receipt, json.dumps(mine))
+    storage.upload(receipt, storage.join(uri, name, RECEIPTS, f"rank_{rank}.json"))
+    receipt.unlink()
+    if rank == 0:
+        files = [json.loads(_wait_for(storage.join(uri, name, RECEIPTS, f"rank_{r}.json"))) for r in range(world)]
+        marker = {"step": step, "world": world, "files": sorted(f for fs in files for f in fs)}
+        storage.atomic_write(stage / MARKER, json.dumps(marker))
+        storage.upload(stage / MARKER, storage.join(uri, name, MARKER))
+        prune(root, keep, name)
+    if local_rank == 0:
+        _wait_for(storage.join(uri, name, MARKER))
+        shutil.rmtree(stage, ignore_errors=True)  # stored at the run root: the node-local copy is only a cache
+
+
+def _wait_for(where: str) -> str:
+    """The text stored at ``where``, once it is there (polled by name)."""
+    import time
+
+    deadline = time.monotonic() + RECEIPT_TIMEOUT_S
+    while (text := storage.read_text(where)) is None:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{where} never appeared: a learner rank did not finish its checkpoint upload")
+        time.sleep(RECEIPT_POLL_S)
+    return text
+
+
+def wait_uploads() -> None:
+    """Block until this process's checkpoint uploads are stored (and, on rank 0, marked); raise the error one
+    of them raised. The learner calls it after its last step: a run is done once its last checkpoint is."""
+    if _uploads is not None:
+        _uploads.wait()
 
 
 def _prunable(names: list[str], marked: set[str], keep: int, current: str) -> list[str]:
     """Of the checkpoint folders ``names``, the ones to delete: marked ones older than the newest ``keep``
-    marked, and every unmarked one (a save that died), never ``current``."""
+    marked, and every unmarked one older than ``current`` (a save that died; a newer one may be uploading)."""
     done = [n for n in _step_folders(names) if n in marked]
     old = set(done[:-keep]) if keep > 0 else set()
-    return [n for n in _step_folders(names) if n != current and (n in old or n not in marked)]
+    return [n for n in _step_folders(names) if n != current and (n in old or (n not in marked and n < current))]
 
 
 def prune(root: Path, keep: int, current: str) -> None:
@@ -256,8 +305,8 @@ def prune(root: Path, keep: int, current: str) -> None:
         names = [p.name for p in root.iterdir() if p.is_dir()]
         for n in _prunable(names, {n for n in names if is_complete(root / n)}, keep, current):
             shutil.rmtree(root / n, ignore_errors=True)
-        for n in names:
-            if n.startswith(f".{PREFIX}") and n.endswith(".tmp") and n != _staging(root, current).name:
+        for n in names:  # staging and pull folders of older steps (a newer save's may be uploading)
+            if n.startswith(f".{PREFIX}") and n.endswith(".tmp") and n[1:len(current) + 1] < current:
                 shutil.rmtree(root / n, ignore_errors=True)
     uri = _remote(root)
     if uri is not None:

@@ -284,6 +284,7 @@ def train_loop(config: dict[str, Any]) -> None:  # pragma: no mutate block
                 record_metrics(config["recorder"], row, config["steps"])
                 if (step + 1) % config["ckpt_every"] == 0 or step + 1 == config["steps"]:  # the last step is one
                     draw_curves(log_path)
+        ckpt.wait_uploads()  # the run is done once its last checkpoint is stored and marked at the run root
     finally:
         if log is not None:
             log.close()
