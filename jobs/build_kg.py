@@ -19,7 +19,7 @@ Wikidata (``osvl.kg.wikidata``), two formats, picked by ``--format`` or the file
   Property entities in the file name the relations (common ones are built in).
 - ``wikidata_triples`` (``.tsv`` tab-separated, ``.csv`` comma-separated): rows
   ``subject, property, object`` (e.g. ``Q90, P17, Q142`` or ``Q90, population, 2148000``) and a
-  label table ``--labels`` with rows ``id, label[, description]``.
+  label table ``--labels`` with rows ``id, label[, description[, aliases separated by |]]``.
 Claims whose object is an entity become links (relation = the property label), literal claims
 (dates, quantities, strings) attributes, ``P31`` targets categories, ``P18`` image names; with
 ``--images_dir`` those photos become anchors.

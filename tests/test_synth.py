@@ -119,13 +119,19 @@ def test_walks_skip_hubs_lists_and_cycles(graph):
     assert len(walks) > 100
     for w in walks:
         assert len(w.entities) == 5 and len(set(w.entities)) == 5  # no cycle
-        assert not {1, 2} & set(w.entities[1:])  # hubs (in-degree ~400) never walked through
+        through = w.entities[1:-1] if w.answer_entity else w.entities[1:]
+        assert not {1, 2} & set(through)  # hubs (in-degree ~400) never walked through
         assert not any(graph.entities[e].list_page for e in w.entities[1:])
-        assert (w.answer_key, w.answer) in graph.entities[w.entities[-1]].answers
+        if w.answer_entity:  # "the <relation> of ...": the relation's one target from the entity before it
+            assert w.answer == graph.entities[w.entities[-1]].title and w.answer_key == w.relations[-1] != "linked_to"
+            assert [d for d, r in graph.links_from[w.entities[-2]] if r == w.answer_key] == [w.entities[-1]]
+        else:
+            assert (w.answer_key, w.answer) in graph.entities[w.entities[-1]].answers
         assert len(w.answer.split()) <= 6
         for a, b, rel in zip(w.entities, w.entities[1:], w.relations, strict=False):
             assert (b, rel) in graph.links_from[a]
     assert skips["hub"] > 0 and skips["list_page"] > 0
+    assert 0 < sum(w.answer_entity for w in walks) < len(walks)
 
 
 def test_a_development_split_is_disjoint_from_heldout_and_leaves_the_others_as_they_were(graph):
@@ -180,7 +186,8 @@ def test_walks_stay_inside_the_seed_split(graph):
         for _ in range(10):
             w = random_walk(graph, s, 3, rng, split_of, WalkConfig(hub_in_degree=100), skips)
             if w:
-                assert {split_of[e] for e in w.entities} == {split_of[s]}
+                walked = w.entities[:-1] if w.answer_entity else w.entities  # an asked entity is a value: any split
+                assert {split_of[e] for e in walked} == {split_of[s]}
     assert skips["other_split"] > 0
 
 

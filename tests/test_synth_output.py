@@ -6,7 +6,8 @@ re-implements the three invariants from their definitions:
 
 - answer invariance: resolving each question's structured form (``path``) from its
   start entity over the KG links reaches the recorded final entity, whose attribute
-  ``answer_key`` has exactly the answer as its value;
+  ``answer_key`` has exactly the answer as its value, or, when the last step is the
+  asked entity (kind ``answer``), whose title is the answer, over the relation ``answer_key``;
 - unique referent: at each hop exactly one entity linked from the previous one
   (through the hop's relation; any link for ``linked_to``) satisfies the descriptor;
 - zero leakage: no title or alias of a path entity (also without its parenthetical),
@@ -48,7 +49,7 @@ class KGTables:
 
     def holds(self, eid: int, step: dict) -> bool:
         e, kind, key, value = self.ents[eid], step["descriptor_kind"], step["descriptor_key"], step["descriptor_value"]
-        if kind == "relation":
+        if kind in ("relation", "answer"):
             return True
         if kind == "description":
             return bool(fold(value)) and fold(e["description"]) == fold(value)
@@ -73,9 +74,13 @@ class KGTables:
             if cur != path[-1]["entity_id"]:
                 out.append("reaches another entity")
             key = fold(row["answer_key"])
-            values = [fold(a["value"]) for a in self.ents[cur]["attributes"] if fold(a["key"]) == key]
-            if values != [fold(row["answer"])]:
-                out.append(f"answer {row['answer']!r} is not the value {values}")
+            if path[-1]["descriptor_kind"] == "answer":
+                if fold(self.ents[cur]["title"]) != fold(row["answer"]) or fold(path[-1]["relation"]) != key:
+                    out.append(f"answer {row['answer']!r} is not the {key} {self.ents[cur]['title']!r}")
+            else:
+                values = [fold(a["value"]) for a in self.ents[cur]["attributes"] if fold(a["key"]) == key]
+                if values != [fold(row["answer"])]:
+                    out.append(f"answer {row['answer']!r} is not the value {values}")
         names = [row["answer"], *row["answer_aliases"]]
         for step in path:
             e = self.ents[step["entity_id"]]
@@ -101,7 +106,8 @@ def check_output(out: Path, kg: Path) -> list[dict]:
     rows, split_entities = [], {}
     for split in ("sft", "rl", "heldout"):
         part = pq.read_table(out / f"{split}.parquet").to_pylist()
-        split_entities[split] = {s["entity_id"] for r in part for s in r["path"]}
+        # an asked entity (a country, an occupation) is an answer, as an attribute's value is: splits may share it
+        split_entities[split] = {s["entity_id"] for r in part for s in r["path"] if s["descriptor_kind"] != "answer"}
         rows += part
     assert rows
     bad = {r["id"]: p for r in rows if (p := tables.problems(r))}

@@ -31,7 +31,8 @@ SYLLABLES = ["ka", "lor", "vim", "tes", "dro", "qua", "zen", "bul", "mir", "fos"
 PROPERTIES = {"P17": "country", "P19": "place of birth", "P31": "instance of", "P84": "architect",
               "P131": "located in the administrative territorial entity", "P279": "subclass of", "P361": "part of",
               "P18": "image", "P569": "date of birth", "P571": "inception", "P1082": "population",
-              "P2046": "area", "P2044": "elevation above sea level"}
+              "P2046": "area", "P2044": "elevation above sea level", "P27": "country of citizenship",
+              "P106": "occupation", "P30": "continent"}
 
 
 def _job(name: str):
@@ -111,6 +112,67 @@ def make_world(seed: int = 0) -> tuple[dict[str, dict], list[tuple[str, str, obj
     return items, claims
 
 
+
+def make_item_world(seed: int = 0, n_seeds: int = 40) -> tuple[dict[str, dict], list[tuple[str, str, object]]]:
+    """A world of item-valued claims only (no literal: nothing an attribute question could ask), with Wikidata's
+    skew: 8 countries, 6 occupations and 24 cities that most claims point to, Zipf-weighted (one country
+    holds about a third of the cities, one occupation most of the people), 250 people, ``n_seeds`` of them
+    photographed (P18). Every entity has one alias, as Wikidata's "also known as"."""
+    rng = np.random.default_rng(seed)
+    used: set[str] = set()
+
+    def name() -> str:
+        while True:
+            n = "".join(rng.choice(SYLLABLES, size=3)).capitalize()
+            if n not in used:
+                used.add(n)
+                return n
+
+    items: dict[str, dict] = {}
+    claims: list[tuple[str, str, object]] = []
+    counter = iter(range(100, 10**6))
+
+    def item(description: str, cls: str | None = None) -> str:
+        qid = f"Q{next(counter)}"
+        items[qid] = {"label": name(), "description": description, "alias": name()}
+        if cls:
+            claims.append((qid, "P31", cls))
+        return qid
+
+    def zipf(options: list[str]) -> str:
+        w = 1.0 / np.arange(1, len(options) + 1)
+        return options[int(rng.choice(len(options), p=w / w.sum()))]
+
+    classes = {}
+    for c in ("human", "city", "region", "country", "continent", "occupation"):
+        classes[c] = f"Q{next(counter)}"
+        items[classes[c]] = {"label": c, "description": "class of things", "alias": ""}
+    continents = [item("continent of the made-up world", classes["continent"]) for _ in range(3)]
+    countries = [item("sovereign state", classes["country"]) for _ in range(8)]
+    for k, country in enumerate(countries):
+        claims.append((country, "P30", continents[k % 3]))
+    occupations = [item("occupation", classes["occupation"]) for _ in range(6)]
+    regions = []
+    for _ in range(16):
+        regions.append(item("administrative region", classes["region"]))
+        claims.append((regions[-1], "P17", zipf(countries)))
+    region_country = {s: o for s, p, o in claims if p == "P17"}
+    cities, city_country = [], {}
+    for _ in range(24):
+        cities.append(item("town on a river", classes["city"]))
+        region = zipf(regions)
+        city_country[cities[-1]] = region_country[region]
+        claims += [(cities[-1], "P131", region), (cities[-1], "P17", region_country[region])]
+    people = []
+    for _ in range(250):
+        people.append(item("painter and writer", classes["human"]))
+        city = zipf(cities)
+        claims += [(people[-1], "P19", city), (people[-1], "P106", zipf(occupations)),
+                   (people[-1], "P27", city_country[city])]
+    for k, person in enumerate(people[:n_seeds]):
+        claims.append((person, "P18", f"{items[person]['label']} photo {k}.png"))
+    return items, claims
+
 def write_photos(world: tuple[dict, list], folder: Path) -> None:
     """One small photo per P18 claim, and a Debian-copyright-style README giving their licence."""
     folder.mkdir(parents=True, exist_ok=True)
@@ -163,7 +225,8 @@ def write_triples(world: tuple[dict, list], path: Path, labels: Path) -> tuple[P
             s, p = f"http://www.wikidata.org/entity/{s}", f"http://www.wikidata.org/prop/direct/{p}"
         rows.append(f"{s}\t{p}\t{v}")
     path.write_text("\n".join(rows) + "\n")
-    lab = ["id\tlabel\tdescription"] + [f"{q}\t{it['label']}\t{it['description']}" for q, it in items.items()]
+    lab = ["id\tlabel\tdescription\taliases"] + [f"{q}\t{it['label']}\t{it['description']}\t{it.get('alias', '')}"
+                                                 for q, it in items.items()]
     lab += [f"{p}\t{label}\t" for p, label in PROPERTIES.items() if p != "P1082"]  # P1082: the built-in label
     labels.write_text("\n".join(lab) + "\n")
     return path, labels
@@ -251,18 +314,70 @@ def test_wikidata_values_read_as_words():
     assert [c["kind"] for c in rec["claims"]] == ["skip", "image", "skip"]
 
 
-def test_infeasible_answer_cap_still_caps_each_answer():
+def test_an_infeasible_answer_cap_keeps_the_most_varied_set_and_says_so():
     import pyarrow as pa
 
-    from osvl.synth.pipeline import ROW_SCHEMA, cap_shares
+    from osvl.synth.pipeline import ROW_SCHEMA, _even_cap, cap_shares, card_markdown
 
-    # 31% of the questions on one answer, 12 answers in all: no cap can reach 2.5%
+    # 12 answers (Paris 10 questions, a0 12, a1..a10 one each): no cap reaches 2.5%, and one question per
+    # answer would keep 12 of 32; the relaxed cap keeps the answers 90% as even as that (normalised entropy)
     answers = ["Paris"] * 10 + [f"a{k}" for k in range(11)] + ["a0"] * 11
+    seeds = [0, 0, 0, 0, 0, 1, 1, 1, 2, 2] + list(range(3, 25))  # Paris's questions: five of seed 0 first
     rows = [{"id": f"{k:03d}", "question": "q", "answer": a, "answer_aliases": [], "answer_key": "k", "images": [],
-             "path": [{"entity_id": k, "title": "t", "relation": "", "descriptor_kind": "visual",
+             "path": [{"entity_id": s, "title": "t", "relation": "", "descriptor_kind": "visual",
                        "descriptor_key": "", "descriptor_value": ""}], "hops": 2, "degraded": False,
-             "degradation": "", "provenance": None, "licence": "CC0", "split": "sft"} for k, a in enumerate(answers)]
+             "degradation": "", "provenance": None, "licence": "CC0", "split": "sft"}
+            for k, (a, s) in enumerate(zip(answers, seeds, strict=True))]
     drops: Counter[str] = Counter()
     kept = cap_shares(pa.Table.from_pylist(rows, schema=ROW_SCHEMA), 0.025, 1.0, drops)
-    assert sorted(kept.column("answer").to_pylist()) == sorted({*answers})
-    assert drops["answer_share_cap_infeasible"] == 1 and drops["answer_share_cap"] == len(answers) - 12
+    cap = _even_cap([10, 12] + [1] * 10)
+    assert cap == 4 and drops["answer_share_cap_relaxed_to"] == cap
+    per_answer = Counter(kept.column("answer").to_pylist())
+    assert per_answer == {"Paris": cap, "a0": cap, **{f"a{k}": 1 for k in range(1, 11)}}
+    assert drops["answer_share_cap_infeasible"] == 1 and drops["answer_share_cap"] == len(answers) - kept.num_rows
+    # an answer's questions are spread over seeds before a second of any: Paris keeps seeds 0, 1 and 2
+    paris = [r["path"][0]["entity_id"] for r in kept.to_pylist() if r["answer"] == "Paris"]
+    assert sorted(paris) == [0, 0, 1, 2]
+    card = {"questions": kept.num_rows, "splits": {}, "seed_entities": 0, "seeds_planned": 0, "final_entities": 0,
+            "path_entities": 0, "max_seed_share": 0.0, "max_answer_share": cap / kept.num_rows,
+            "max_answer_share_configured": 0.025, "seconds": 0, "config_hash": "x", "hops": {},
+            "seeds_by_split": {}, "answer_keys": {}, "degraded": {"share": 0, "configured": 0, "kinds": {}},
+            "drops": {"caps": dict(drops)}, "grounding_scores": {"anchors_used": 0, "min": 0, "median": 0, "max": 0,
+                                                                 "histogram": {}}}
+    assert f"each answer kept at most {cap} questions" in card_markdown(card)
+
+
+
+@pytest.mark.slow
+def test_item_valued_claims_yield_entity_answers_with_their_aliases(ray_cluster, tmp_path):
+    """Wikidata's most-asked facts are item-valued (country, place of birth, occupation): from a KG of such
+    claims alone, skewed so that a few hubs hold most of them, questions come from most grounded seeds, ask
+    for entities, answer with their labels and aliases, keep every invariant, and the data card says how it
+    relaxed the answer-share cap the few distinct answers cannot meet."""
+    root = f"--run.root={tmp_path / 'runs'}"
+    world = make_item_world()
+    assert len(world[0]) >= 300 and not any(isinstance(v, dict) for _, _, v in world[1])
+    write_photos(world, tmp_path / "photos")
+    triples, labels = write_triples(world, tmp_path / "triples.tsv", tmp_path / "labels.tsv")
+    kg = tmp_path / "kg"
+    _job("build_kg").main([f"--input={triples}", f"--labels={labels}", f"--images_dir={tmp_path / 'photos'}",
+                           f"--out_dir={kg}", "--run.name=kg", root])
+    grounded = json.loads((tmp_path / "runs" / "build_kg" / "kg" / "counts.json").read_text())["anchors"]
+    assert grounded == 40
+    _job("synthesize").main([f"--kg_dir={kg}", "--run.name=t", "--num_shards=4", "--questions_per_seed=20", root])
+    out = tmp_path / "runs" / "synthesize" / "t"
+    rows = check_output(out, kg)  # the three invariants and disjoint splits, checked independently
+    seeds = {r["path"][0]["entity_id"] for r in rows}
+    assert len(seeds) >= 0.6 * grounded
+    by_title = {it["label"]: it for it in world[0].values()}
+    for r in rows:  # every answer is an entity: its label, its alias among the answer's aliases
+        assert r["path"][-1]["descriptor_kind"] == "answer" and r["answer"] in by_title, r
+        assert by_title[r["answer"]]["alias"] in r["answer_aliases"]
+        assert r["answer_key"] == r["path"][-1]["relation"] != "instance of"
+    assert {"country", "occupation"} <= {r["answer_key"] for r in rows}
+    card = json.loads((out / "data_card.json").read_text())
+    answers = Counter(r["answer"] for r in rows)
+    assert len(answers) < 1 / 0.025 and card["drops"]["caps"]["answer_share_cap_infeasible"] == 1
+    relaxed = card["drops"]["caps"]["answer_share_cap_relaxed_to"]
+    assert relaxed > 1 and max(answers.values()) <= relaxed
+    assert f"each answer kept at most {relaxed} questions" in (out / "data_card.md").read_text()

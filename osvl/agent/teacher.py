@@ -208,8 +208,11 @@ class PathOracle:
         self.seed = int(seed)
         self.cfg = cfg or OracleConfig()
         self.visual = path[0]
+        # an asked entity ("the country of ...", kind answer) is not a hop to find: its name is read off the last
+        # hop's page, as an attribute's value is
         self.hops = [_Hop(i, p["title"], p["relation"] or "", p["descriptor_kind"] or "", p["descriptor_key"] or "",
-                          p["descriptor_value"] or "") for i, p in enumerate(path) if i > 0]
+                          p["descriptor_value"] or "") for i, p in enumerate(path)
+                     if i > 0 and p["descriptor_kind"] != "answer"]
         deg = question.get("degradation") or ""
         self.undo = json.loads(deg) if (question.get("degraded") and deg) else None
         self.answer_forms = [question["answer"], *(question.get("answer_aliases") or [])]

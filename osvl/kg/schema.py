@@ -220,8 +220,9 @@ def write_kg(
             raise DataError(f"entity {e['id']}: kind {e.get('kind')!r} not in {KINDS}")
         if e.get("origin") not in ORIGINS:
             raise DataError(f"entity {e['id']}: origin {e.get('origin')!r} not in {ORIGINS}")
-        attrs = [
-            {**a, "eligible": e.get("kind", "article") == "article" and fold(a["value"]) in ok_values}
+        attrs = [  # a loader may mark a fact never eligible (a claim asked as an entity, not as a string)
+            {**a, "eligible": a.get("eligible") is not False and e.get("kind", "article") == "article"
+             and fold(a["value"]) in ok_values}
             for a in e.get("attributes") or []
         ]
         rows.append(

@@ -10,13 +10,17 @@ Two input formats:
 - **Triples**: a text file of ``subject, property, object`` rows (tab-separated for
   ``.tsv``, else comma-separated; a ``subject,property,object`` header is skipped; the
   Query Service's entity URIs are read as their ids, so its CSV output loads as is), with
-  a label table (``--labels``: ``id, label[, description]`` rows, same delimiter rule)
-  naming the ids. An object that is a subject, or has a label and looks like an item id
+  a label table (``--labels``: ``id, label[, description[, aliases]]`` rows, same delimiter
+  rule; aliases separated by ``|``, as the Query Service's ``GROUP_CONCAT(?alt; separator="|")``
+  writes them) naming the ids. An object that is a subject, or has a label and looks like an item id
   (``Q42``), is an entity; anything else is a literal.
 
 What a claim becomes:
 - object is an entity -> a link; its relation is the property *label* ("place of birth"),
-  which is what the question grammar (``osvl.synth.phrasing``) words;
+  which is what the question grammar (``osvl.synth.phrasing``) words, and a walk may end by
+  asking for that entity ("the country of ...": ``osvl.synth.walks``, entity answers). The
+  claim is also an attribute that is never an answer string (``eligible`` false), so the
+  entity's page shows it ("place of birth: Lyon."), where a reader finds the answer;
 - ``P31`` (instance of) targets also become categories ("human", "city"): readable words
   that the rewriter can use as descriptors;
 - ``P18`` (image) -> an image name, kept as a name; with ``--images_dir`` a file of that
@@ -203,11 +207,13 @@ def _parse_batch(batch: dict[str, Any], fmt: str, language: str, delimiter: str)
 def _records_from_triples(triples: list[tuple[str, str, str]], labels_path: Path | None) -> list[dict[str, Any]]:
     """Group triples by subject into the records ``parse_entity`` makes, labels from the label table."""
     labels: dict[str, tuple[str, str]] = {}
+    aliases: dict[str, list[str]] = {}
     if labels_path is not None:
         for row in _rows(labels_path):
-            cells = [_bare(c) for c in row] + ["", ""]
+            cells = [_bare(c) for c in row] + ["", "", ""]
             if cells[0].lower() != "id":
                 labels[cells[0]] = (cells[1], cells[2])
+                aliases[cells[0]] = [a.strip() for a in cells[3].split("|") if a.strip()]
     subjects = {s for s, _, _ in triples}
     claims: dict[str, list[dict[str, str]]] = defaultdict(list)
     for s, p, o in triples:
@@ -216,7 +222,7 @@ def _records_from_triples(triples: list[tuple[str, str, str]], labels_path: Path
         claims[s].append({"property": p, "kind": kind, "value": o, "unit": ""})
     ids = subjects | {c["value"] for cs in claims.values() for c in cs if c["kind"] == "item"}
     records = [{"id": i, "type": "item", "label": labels.get(i, ("", ""))[0], "description": labels.get(i, ("", ""))[1],
-                "aliases": [], "datatype": "", "claims": claims.get(i, [])} for i in sorted(ids)]
+                "aliases": aliases.get(i, []), "datatype": "", "claims": claims.get(i, [])} for i in sorted(ids)]
     records += [{"id": p, "type": "property", "label": lab, "description": "", "aliases": [], "datatype": "",
                  "claims": []} for p, (lab, _) in labels.items() if _PROPERTY_ID.match(p)]
     return records
@@ -264,6 +270,9 @@ def assemble(records: list[dict[str, Any]], images_dir: Path | None = None,
                 links.append((i, index[c["value"]], rel))
                 if c["property"] in (INSTANCE_OF, "instance of") and c["value"] in item_label:
                     ent["categories"].append(item_label[c["value"]])
+                elif c["value"] in item_label:  # shown on the page ("country: France."), asked as an entity answer
+                    ent["attributes"].append({"key": rel, "value": item_label[c["value"]], "eligible": False,
+                                              "source": f"{c['property']}: {c['value']}"})
             else:
                 unit = UNITS.get(c["unit"]) or item_label.get(c["unit"], "")
                 value = f"{c['value']} {unit}".strip()

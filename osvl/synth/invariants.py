@@ -8,7 +8,9 @@ graph, never trusting what the rewriter believed:
 
 - **answer invariance**: walking the structured form from the start entity over
   the KG reaches the recorded final entity, whose attribute ``answer_key`` has
-  exactly the recorded value;
+  exactly the recorded value; or, when the last step is the asked entity itself
+  (descriptor kind ``answer``: "the country of ..."), whose name is the answer,
+  reached over the relation ``answer_key`` as its predecessor's only link of it;
 - **unique referent**: at every hop exactly one entity satisfies the descriptor
   among the entities its predecessor links to (all of them: hubs, list pages and
   other splits count here, because a solver does not know our walk filters);
@@ -70,7 +72,7 @@ def leaked(text: str, forms: set[str]) -> list[str]:
 def descriptor_holds(graph: Graph, eid: int, kind: str, key: str, value: str) -> bool:
     """Whether entity ``eid`` satisfies a descriptor (``relation`` ones constrain only the edge)."""
     ent = graph.entities[eid]
-    if kind == "relation":
+    if kind in ("relation", "answer"):  # an asked entity is not described: the relation alone must single it out
         return True
     if kind == "description":
         return fold(ent.description) == fold(value) and bool(fold(value))
@@ -121,6 +123,10 @@ def violations(graph: Graph, row: dict[str, Any]) -> list[str]:
         problems.append(why)
     elif final != path[-1]["entity_id"]:
         problems.append("answer_changed")
+    elif path[-1]["descriptor_kind"] == "answer":  # the entity is the answer: its name, the key its relation
+        if fold(graph.entities[final].title) != fold(row["answer"]) or fold(path[-1]["relation"]) != fold(
+                row["answer_key"]):
+            problems.append("answer_changed")
     else:
         values = graph.entities[final].attribute_values(row["answer_key"])
         if values != [fold(row["answer"])]:

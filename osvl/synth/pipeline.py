@@ -70,6 +70,9 @@ class WalkOptions:
                              "300 is about the sample's 99th percentile).")
     max_retries: int = opt(10, "Walk+rewrite retries for one question before giving up on it.")
     max_answer_words: int = opt(6, "Longest answer, in words.")
+    entity_answers: bool = opt(True, "A walk may end by asking for the entity its last relation points to (\"the "
+                                     "country of ...\", answered with that entity's name and aliases) where that "
+                                     "relation has one target; off: every answer is an attribute's value.")
 
 
 @dataclass
@@ -245,7 +248,7 @@ def synthesize_shard(graph: Graph, cfg: SynthConfig, shard: int, seeds: list[int
     rng = np.random.default_rng([cfg.run.seed, shard])
     counts: dict[str, Counter[str]] = {s: Counter() for s in ("walk_skips", "walk", "rewrite", "invariants",
                                                               "dedupe", "images", "rewriter", "seeds")}
-    wcfg = WalkConfig(cfg.walk.hub_in_degree, cfg.walk.max_answer_words)
+    wcfg = WalkConfig(cfg.walk.hub_in_degree, cfg.walk.max_answer_words, cfg.walk.entity_answers)
     probs = np.array(cfg.walk.hop_probs) / sum(cfg.walk.hop_probs)
     kg_name = str(graph.root.name if graph.root else "memory")
     rows: list[dict[str, Any]] = []
@@ -428,14 +431,34 @@ def _largest_cap(sizes: list[int], share: float) -> int | None:
     return None
 
 
-def cap_shares(table: pa.Table, max_answer_share: float, max_seed_share: float, drops: Counter[str]) -> pa.Table:
-    """Drop the surplus of over-represented seeds, then answers, keeping the lowest ids (deterministic).
+EVENNESS = 0.9  # an infeasible answer cap keeps answers at least this even (normalised entropy; 1: one per answer)
 
-    The cap is the largest one that still holds *after* the drop. When it cannot hold
-    at all (fewer groups than 1 / share), ``<reason>_infeasible`` in the data card says
-    so; then seeds keep their questions (few seeds is what a small KG has), but each
-    answer is capped at one question anyway and the surplus dropped (a tree-shaped KG's
-    walks converge on a few final entities: docs/measurements.md has a Wikidata run).
+
+def _even_cap(sizes: list[int]) -> int:
+    """The largest per-group cap k whose capped sizes min(size, k) stay ``EVENNESS`` as even as one per group
+    (normalised entropy), the relaxed cap of an answer share no cap can meet: as many questions as the answers
+    there are allow without one answer taking over (a KG whose item-valued facts point to a few countries)."""
+    if len(sizes) < 2:
+        return max(sizes, default=1)
+    for k in range(max(sizes), 0, -1):
+        p = np.array([min(c, k) for c in sizes], dtype=float)
+        p /= p.sum()
+        if -(p * np.log(p)).sum() / np.log(len(sizes)) >= EVENNESS:
+            return k
+    return 1
+
+
+def cap_shares(table: pa.Table, max_answer_share: float, max_seed_share: float, drops: Counter[str]) -> pa.Table:
+    """Drop the surplus of over-represented seeds, then answers (deterministic).
+
+    The cap is the largest one that still holds *after* the drop. Within a group the questions kept are
+    spread over the other label first (an answer keeps one question of each seed before a second of any,
+    a seed one of each answer), lowest ids next, so a cap keeps the most varied set. When a cap cannot
+    hold at all (fewer groups than 1 / share), ``<reason>_infeasible`` in the data card says so; then seeds
+    keep their questions (few seeds is what a small KG has), and the answer cap is relaxed to the largest
+    one that keeps the answers ``EVENNESS`` as even as one question per answer (``_even_cap``;
+    ``answer_share_cap_relaxed_to`` in the card): a tree-shaped KG's walks converge on a few final entities,
+    and one question per answer left 14 of a 40-seed Wikidata KG's questions (docs/measurements.md).
     """
     table = table.sort_by("id")
     groups = {"seed_share_cap": [p[0]["entity_id"] for p in table.column("path").to_pylist()],
@@ -445,21 +468,28 @@ def cap_shares(table: pa.Table, max_answer_share: float, max_seed_share: float, 
         changed = False
         for reason, share in (("seed_share_cap", max_seed_share), ("answer_share_cap", max_answer_share)):
             labels = groups[reason]
-            cap = _largest_cap(list(Counter(labels[i] for i in keep).values()), share)
+            other = groups["answer_share_cap" if reason == "seed_share_cap" else "seed_share_cap"]
+            sizes = list(Counter(labels[i] for i in keep).values())
+            cap = _largest_cap(sizes, share)
             if cap is None:
                 drops[f"{reason}_infeasible"] = 1
                 if reason == "seed_share_cap":
                     continue  # few seeds is what a small KG has: keep their questions
-                cap = 1
+                cap = drops["answer_share_cap_relaxed_to"] = _even_cap(sizes)
+            nth: Counter[Any] = Counter()
+            ranked = []
+            for i in keep:
+                nth[(labels[i], other[i])] += 1
+                ranked.append((nth[(labels[i], other[i])], i))
             seen: Counter[Any] = Counter()
             kept = []
-            for i in keep:
+            for _, i in sorted(ranked):
                 seen[labels[i]] += 1
                 if seen[labels[i]] <= cap:
                     kept.append(i)
             drops[reason] += len(keep) - len(kept)
             changed |= len(kept) != len(keep)
-            keep = kept
+            keep = sorted(kept)
         if not changed:
             break
     return table.take(pa.array(keep, type=pa.int64()))
@@ -528,9 +558,13 @@ def card_markdown(card: dict[str, Any]) -> str:
     lines += ["", "## Seeds by split", "", "| split | yielded | empty (why) |", "|---|---|---|"]
     lines += [f"| {s} | {v['yielded']} | {sum(v['empty'].values())} {v['empty'] or ''} |"
               for s, v in card["seeds_by_split"].items()]
-    if card["drops"].get("caps", {}).get("answer_share_cap_infeasible"):
-        lines += ["", "Answer-share cap infeasible (fewer distinct answers than 1 / "
-                  f"{card['max_answer_share_configured']}): every answer capped at one question, the surplus dropped."]
+    caps = card["drops"].get("caps", {})
+    if caps.get("answer_share_cap_infeasible"):
+        lines += ["", "Answer-share cap relaxed: fewer distinct answers than 1 / "
+                  f"{card['max_answer_share_configured']}, so no cap meets that share; each answer kept at most {caps.get('answer_share_cap_relaxed_to')} "
+                  f"questions (the largest cap keeping the answers {EVENNESS:.0%} as even as one question per answer, "
+                  f"by normalised entropy), {caps.get('answer_share_cap', 0)} dropped; largest answer share "
+                  f"{card['max_answer_share']:.1%}."]
     lines += ["", "## Answer keys (top 25)", "", "| key | questions |", "|---|---|"]
     lines += [f"| {k} | {v} |" for k, v in list(card["answer_keys"].items())[:25]]
     d = card["degraded"]

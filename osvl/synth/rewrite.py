@@ -134,9 +134,13 @@ def template_rewrite(graph: Graph, walk: Walk, rng: np.random.Generator, drops: 
     ``key_case``: how the question spells the answer key (``osvl.synth.phrasing.question``)."""
     ids = walk.entities
     aliases = graph.answer_aliases(walk.answer)
+    if walk.answer_entity:  # its own aliases first, then those of every entity of that name
+        own = graph.entities[ids[-1]].aliases
+        aliases = [*own, *(a for a in aliases if a not in own)]
     forms = guarded_forms(graph, ids, walk.answer, aliases)
+    described = ids[:-1] if walk.answer_entity else ids  # an asked entity is named by the question's key
     chosen: list[Descriptor] = []
-    for i in range(len(ids) - 1, 0, -1):
+    for i in range(len(described) - 1, 0, -1):
         rel = walk.relations[i - 1]
         options = descriptor_options(graph, ids[i], rel)
         rng.shuffle(options)
@@ -153,7 +157,7 @@ def template_rewrite(graph: Graph, walk: Walk, rng: np.random.Generator, drops: 
         chosen.append(pick)
     chosen.reverse()  # chosen[i - 1] now describes ids[i]
     phrase = visual_reference(graph, ids[0])
-    for i in range(1, len(ids)):
+    for i in range(1, len(described)):
         phrase = hop_phrase(chosen[i - 1], walk.relations[i - 1], phrase, nested=i > 1)
     text = question(walk.answer_key, phrase, nested=True, key_case=key_case)
     if why := clean(text):  # e.g. a description ending in the word the relation starts with
@@ -162,7 +166,7 @@ def template_rewrite(graph: Graph, walk: Walk, rng: np.random.Generator, drops: 
     path = [{"entity_id": ids[0], "title": graph.entities[ids[0]].title, "relation": "",
              "descriptor_kind": "visual", "descriptor_key": "", "descriptor_value": visual_reference(graph, ids[0])}]
     for i in range(1, len(ids)):
-        d = chosen[i - 1]
+        d = chosen[i - 1] if i < len(described) else Descriptor("answer", "", "")
         path.append({"entity_id": ids[i], "title": graph.entities[ids[i]].title, "relation": walk.relations[i - 1],
                      "descriptor_kind": d.kind, "descriptor_key": d.key, "descriptor_value": d.value})
     return Draft(text, path, walk.answer_key, walk.answer, aliases)
@@ -179,6 +183,8 @@ def _kept_descriptors(text: str, draft: Draft) -> bool:
     if f" {fold(draft.answer_key)} " not in padded:
         return False
     for step in draft.path[1:]:
+        if step["descriptor_kind"] == "answer":  # asked for by the key, checked above
+            continue
         if step["descriptor_kind"] == "relation":  # the template's fixed words: "the place where", "was born"
             forms = [relation_forms(step["relation"], nested)[0].split("{x}") for nested in (False, True)]
         elif step["descriptor_kind"] == "category":

@@ -355,12 +355,27 @@ class Walk:
     relations: list[str]  # relations[i] leads from entities[i] to entities[i + 1]
     answer_key: str
     answer: str
+    # True: the last entity is the answer ("the country of ..."), the key the relation leading to it, the answer
+    # its title; False: the answer is the value of the last entity's attribute ``answer_key``
+    answer_entity: bool = False
 
 
 @dataclass
 class WalkConfig:
     hub_in_degree: int = 300
     max_answer_words: int = 6
+    entity_answers: bool = True
+
+
+def askable_relation(graph: Graph, src: int, dst: int, relation: str, max_words: int) -> bool:
+    """Whether "the <relation> of <src>" has one answer, ``dst``: a typed relation (``linked_to`` asks nothing)
+    that leads from ``src`` to ``dst`` alone, and a short name that is not a list page's. The answer may be a
+    hub (a country, an occupation: most item-valued facts point to one) and in any split: it is a value, not
+    a page the question walks through, as an attribute's value is."""
+    ent = graph.entities[dst]
+    if relation == "linked_to" or ent.list_page or len(ent.title.split()) > max_words or not fold(ent.title):
+        return False
+    return [d for d, r in graph.links_from.get(src, ()) if r == relation] == [dst]
 
 
 def random_walk(graph: Graph, seed: int, hops: int, rng: np.random.Generator, split_of: dict[int, str],
@@ -373,6 +388,10 @@ def random_walk(graph: Graph, seed: int, hops: int, rng: np.random.Generator, sp
         options = []
         for dst, rel in graph.out.get(path[-1], ()):
             ent = graph.entities[dst]
+            # one hop at least before the asked entity: the answer is read off a page the question describes
+            if last and step > 0 and cfg.entity_answers and dst not in path and askable_relation(
+                    graph, path[-1], dst, rel, cfg.max_answer_words):
+                options.append((dst, rel, True))
             if dst in path:
                 skips["cycle"] += 1
             elif ent.in_degree > cfg.hub_in_degree:
@@ -384,13 +403,15 @@ def random_walk(graph: Graph, seed: int, hops: int, rng: np.random.Generator, sp
             elif last and not ent.answers:
                 skips["no_answer_attribute"] += 1
             else:
-                options.append((dst, rel))
+                options.append((dst, rel, False))
         if not options:
             skips[f"dead_end_hop{step + 1}"] += 1
             return None
-        dst, rel = options[int(rng.integers(len(options)))]
+        dst, rel, asked = options[int(rng.integers(len(options)))]
         path.append(dst)
         rels.append(rel)
+        if asked:
+            return Walk(path, rels, rel, graph.entities[dst].title, answer_entity=True)
     answers = graph.entities[path[-1]].answers
     weights = np.array([1.0 / max(1, graph.value_count[fold(v)]) for _, v in answers])
     key, value = answers[int(rng.choice(len(answers), p=weights / weights.sum()))]
