@@ -561,8 +561,8 @@ def card_markdown(card: dict[str, Any]) -> str:
     caps = card["drops"].get("caps", {})
     if caps.get("answer_share_cap_infeasible"):
         lines += ["", "Answer-share cap relaxed: fewer distinct answers than 1 / "
-                  f"{card['max_answer_share_configured']}, so no cap meets that share; each answer kept at most {caps.get('answer_share_cap_relaxed_to')} "
-                  f"questions (the largest cap keeping the answers {EVENNESS:.0%} as even as one question per answer, "
+                  f"{card['max_answer_share_configured']}, so no cap meets that share; each answer kept at most "
+                  f"{caps.get('answer_share_cap_relaxed_to')} questions (the largest cap keeping the answers {EVENNESS:.0%} as even as one question per answer, "
                   f"by normalised entropy), {caps.get('answer_share_cap', 0)} dropped; largest answer share "
                   f"{card['max_answer_share']:.1%}."]
     lines += ["", "## Answer keys (top 25)", "", "| key | questions |", "|---|---|"]
