@@ -563,8 +563,8 @@ def card_markdown(card: dict[str, Any]) -> str:
         lines += ["", "Answer-share cap relaxed: fewer distinct answers than 1 / "
                   f"{card['max_answer_share_configured']}, so no cap meets that share; each answer kept at most "
                   f"{caps.get('answer_share_cap_relaxed_to')} questions (the largest cap keeping the answers "
-                  f"{EVENNESS:.0%} as even as one question per answer, by normalised entropy), {caps.get('answer_share_cap', 0)} dropped; largest answer share "
-                  f"{card['max_answer_share']:.1%}."]
+                  f"{EVENNESS:.0%} as even as one question per answer, by normalised entropy), "
+                  f"{caps.get('answer_share_cap', 0)} dropped; largest answer share {card['max_answer_share']:.1%}."]
     lines += ["", "## Answer keys (top 25)", "", "| key | questions |", "|---|---|"]
     lines += [f"| {k} | {v} |" for k, v in list(card["answer_keys"].items())[:25]]
     d = card["degraded"]
