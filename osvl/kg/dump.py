@@ -40,6 +40,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import shutil
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -56,7 +57,7 @@ from osvl.kg import wikidata
 from osvl.kg.mediawiki import iter_page_fields, page_from_fields, parse_page
 from osvl.kg.schema import fold, write_kg
 from osvl.logs import Progress
-from osvl.storage import atomic, atomic_write
+from osvl.storage import atomic
 
 logger = logging.getLogger(__name__)
 
@@ -317,7 +318,8 @@ def _copy_out(kg_dir: Path, out_dir: str) -> None:
         (dest / "images").mkdir(exist_ok=True)
         names += [f"images/{p.name}" for p in sorted((kg_dir / "images").iterdir())]
     for name in names:
-        atomic_write(dest / name, (kg_dir / name).read_bytes())
+        with atomic(dest / name) as tmp:  # copied in chunks: a KG of millions of entities is gigabytes
+            shutil.copyfile(kg_dir / name, tmp)
 
 
 def run(cfg: BuildKGConfig, *, log: Callable[[str], None] = logger.info) -> tuple[Path, dict[str, Any]]:

@@ -31,28 +31,44 @@ What a claim becomes:
   property label; identifiers, URLs and coordinates are not facts a question asks for and
   are dropped, as is any claim whose property has no label (counted).
 
-Ray Data reads the file line by line and parses lines on workers; the driver then joins
-labels and ids and writes the tables with ``write_kg``. The join holds every entity in the
-driver's memory (as the MediaWiki loader's resolve pass does): fine for extracts and
-domain graphs of millions of claims; the full dump (~100 M items) needs a topic extract.
+Ray Data reads the file line by line and parses lines on workers; their rows stream to a parquet
+file beside the output, and ``build`` joins them in bounded pieces: Arrow kernels map ids to row
+numbers and properties and units to labels batch by batch, every claim's output goes to files by
+entity-id range, and each range is assembled and appended alone. The driver keeps one Arrow column
+per entity (ids, titles, descriptions, aliases) and the degree arrays, no Python object per entity:
+a 1 GB triples file of 2 M items builds within 2 GiB (docs/measurements.md, bench/kg_scale.py).
 """
 
 from __future__ import annotations
 
 import csv
-import io
+import hashlib
 import json
 import logging
+import os
 import re
 import shutil
-from collections import Counter, defaultdict
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
 from osvl.errors import DataError
 from osvl.kg.anchors import read_licences
-from osvl.kg.schema import write_kg
+from osvl.kg.schema import (
+    ANCHORS_SCHEMA,
+    ATTRIBUTE_TYPE,
+    ENTITIES_SCHEMA,
+    LINKS_SCHEMA,
+    MAX_ANSWER_WORDS,
+    MAX_SHARED_FRACTION,
+    fold,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -164,12 +180,6 @@ def parse_entity(line: str, language: str = "en") -> dict[str, Any] | None:
             "datatype": str(obj.get("datatype", "")), "claims": claims}
 
 
-def _rows(path: Path) -> list[list[str]]:
-    """A small delimited table (the label table); tab for .tsv, else comma."""
-    text = path.read_text(encoding="utf-8")
-    return [r for r in csv.reader(io.StringIO(text), delimiter="\t" if path.suffix == ".tsv" else ",") if r]
-
-
 def _bare(cell: str) -> str:
     """``http://www.wikidata.org/entity/Q90`` (as the Query Service writes CSV) -> ``Q90``."""
     cell = cell.strip()
@@ -188,132 +198,406 @@ def parse_triple(line: str, delimiter: str) -> tuple[str, str, str] | None:
     return None if (s.lower(), p.lower(), o.lower()) == ("subject", "property", "object") else (s, p, o)
 
 
-def _parse_batch(batch: dict[str, Any], fmt: str, language: str, delimiter: str) -> dict[str, list[str]]:
-    """Ray Data ``map_batches``: lines -> JSON-encoded records ("" for a line that does not parse, with why)."""
-    out: dict[str, list[str]] = {"record": [], "error": []}
+# One table for everything a line parses into, so Ray Data's workers hand the driver Arrow batches it writes
+# straight to disk: a claim row per claim, an entity row per JSON entity (its label, description, aliases),
+# an error row per bad line. ``k`` orders a JSON entity's claims as its line lists them.
+PARSED = pa.schema([("rtype", pa.string()), ("s", pa.string()), ("p", pa.string()), ("kind", pa.string()),
+                    ("value", pa.string()), ("unit", pa.string()), ("k", pa.int32()), ("etype", pa.string()),
+                    ("label", pa.string()), ("description", pa.string()), ("aliases", pa.list_(pa.string())),
+                    ("error", pa.string())])
+
+
+def _parse_batch(batch: dict[str, Any], fmt: str, language: str, delimiter: str) -> pa.Table:
+    """Ray Data ``map_batches``: lines -> ``PARSED`` rows."""
+    rows: list[dict[str, Any]] = []
     for line in batch["text"]:
         try:
-            rec = parse_entity(line, language) if fmt == "wikidata_json" else parse_triple(line, delimiter)
-        except DataError as e:
-            out["record"].append("")
-            out["error"].append(str(e)[:200])
-            continue
-        if rec is not None:
-            out["record"].append(json.dumps(rec))
-            out["error"].append("")
-    return out
-
-
-def _records_from_triples(triples: list[tuple[str, str, str]], labels_path: Path | None) -> list[dict[str, Any]]:
-    """Group triples by subject into the records ``parse_entity`` makes, labels from the label table."""
-    labels: dict[str, tuple[str, str]] = {}
-    aliases: dict[str, list[str]] = {}
-    if labels_path is not None:
-        for row in _rows(labels_path):
-            cells = [_bare(c) for c in row] + ["", "", ""]
-            if cells[0].lower() != "id":
-                labels[cells[0]] = (cells[1], cells[2])
-                aliases[cells[0]] = [a.strip() for a in cells[3].split("|") if a.strip()]
-    subjects = {s for s, _, _ in triples}
-    claims: dict[str, list[dict[str, str]]] = defaultdict(list)
-    for s, p, o in triples:
-        is_item = o in subjects or (_ITEM_ID.match(o) is not None and o in labels)
-        kind = "image" if p in (IMAGE_PROPERTY, "image") else "item" if is_item else "literal"
-        claims[s].append({"property": p, "kind": kind, "value": o, "unit": ""})
-    ids = subjects | {c["value"] for cs in claims.values() for c in cs if c["kind"] == "item"}
-    records = [{"id": i, "type": "item", "label": labels.get(i, ("", ""))[0], "description": labels.get(i, ("", ""))[1],
-                "aliases": aliases.get(i, []), "datatype": "", "claims": claims.get(i, [])} for i in sorted(ids)]
-    records += [{"id": p, "type": "property", "label": lab, "description": "", "aliases": [], "datatype": "",
-                 "claims": []} for p, (lab, _) in labels.items() if _PROPERTY_ID.match(p)]
-    return records
-
-
-def assemble(records: list[dict[str, Any]], images_dir: Path | None = None,
-             kg_dir: Path | None = None) -> tuple[list[dict[str, Any]], list[tuple[int, int, str]],
-                                                  list[dict[str, Any]], Counter[str]]:
-    """Records -> (entities, links, anchors, counts), ids and property labels resolved."""
-    counts: Counter[str] = Counter()
-    prop_label = dict(PROPERTY_LABELS)
-    prop_label.update({r["id"]: r["label"] for r in records if r["type"] == "property" and r["label"]})
-    # Ray Data hands records back in no fixed order; ids must not depend on it
-    items = sorted((r for r in records if r["type"] == "item"), key=lambda r: (len(r["id"]), r["id"]))
-    index = {r["id"]: i for i, r in enumerate(items)}
-    item_label = {r["id"]: r["label"] for r in items if r["label"]}
-
-    def relation(p: str) -> str:
-        return prop_label.get(p, "" if _PROPERTY_ID.match(p) else p)  # a triples file may name properties by label
-
-    licences = read_licences(images_dir) if images_dir else {}
-    entities, links, anchors = [], [], []
-    for i, r in enumerate(items):
-        counts["unlabelled_entity"] += not r["label"]
-        ent = {"id": i, "title": r["label"] or r["id"], "aliases": [a for a in r["aliases"] if a],
-               "description": r["description"], "text": r["description"], "attributes": [], "images": [],
-               "categories": [], "kind": "article", "origin": "wikidata"}
-        desc = r["description"].lower()
-        if "disambiguation page" in desc:
-            ent["kind"] = "disambiguation"
-        elif "list article" in desc:
-            ent["kind"] = "list"
-        for c in r["claims"]:
-            rel = relation(c["property"])
-            if c["kind"] == "skip":
-                counts["claim_not_a_fact"] += 1
-            elif c["kind"] == "image":
-                ent["images"].append(c["value"])
-            elif not rel:
-                counts["claim_unlabelled_property"] += 1
-            elif c["kind"] == "item":
-                if c["value"] not in index:
-                    counts["link_to_missing_item"] += 1
+            if fmt == "wikidata_json":
+                rec = parse_entity(line, language)
+                if rec is None:
                     continue
-                links.append((i, index[c["value"]], rel))
-                if c["property"] in (INSTANCE_OF, "instance of") and c["value"] in item_label:
-                    ent["categories"].append(item_label[c["value"]])
-                elif c["value"] in item_label:  # shown on the page ("country: France."), asked as an entity answer
-                    ent["attributes"].append({"key": rel, "value": item_label[c["value"]], "eligible": False,
-                                              "source": f"{c['property']}: {c['value']}"})
-            else:
-                unit = UNITS.get(c["unit"]) or item_label.get(c["unit"], "")
-                value = f"{c['value']} {unit}".strip()
-                ent["attributes"].append({"key": rel, "value": value, "source": f"{c['property']}: {value}"})
-        entities.append(ent)
-        for name in ent["images"] if images_dir else []:
-            src = next((images_dir / n for n in (name, name.replace(" ", "_")) if (images_dir / n).is_file()), None)
-            if src is None or kg_dir is None:
-                continue
-            (kg_dir / "images").mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(src, kg_dir / "images" / src.name)
-            anchors.append({"entity_id": i, "image": src.name, "caption": f"{ent['title']}: {ent['description']}",
-                            "source": f"wikidata {IMAGE_PROPERTY}", "licence": licences.get(src.name, ""),
-                            "score": 1.0, "scorer": "wikidata_p18"})
-    counts["links"], counts["anchors"] = len(links), len(anchors)
-    return entities, links, anchors, counts
+                rows.append({"rtype": "entity", "s": rec["id"], "etype": rec["type"], "label": rec["label"],
+                             "description": rec["description"], "aliases": rec["aliases"]})
+                rows += [{"rtype": "claim", "s": rec["id"], "p": c["property"], "kind": c["kind"], "value": c["value"],
+                          "unit": c["unit"], "k": k} for k, c in enumerate(rec["claims"])]
+            elif (t := parse_triple(line, delimiter)) is not None:
+                rows.append({"rtype": "claim", "s": t[0], "p": t[1], "kind": "", "value": t[2], "unit": "", "k": 0})
+        except DataError as e:
+            rows.append({"rtype": "error", "error": str(e)[:200]})
+    return pa.Table.from_pylist(rows, schema=PARSED)
+
+
+RANGE_BYTES = 32 << 20
+
+
+def _parse_range(batch: dict[str, Any], path: str, fmt: str, language: str, delimiter: str) -> pa.Table:
+    """Ray Data ``map_batches`` over byte ranges: the lines that start in ``[start, end)`` of ``path``, parsed."""
+    tables = []
+    with open(path, "rb") as f:
+        for start, end in zip(batch["start"].tolist(), batch["end"].tolist(), strict=True):
+            f.seek(max(0, start - 1))
+            if start > 0:
+                f.readline()  # the line under way at start - 1 belongs to the range before
+            lines = []
+            while f.tell() < end and (line := f.readline()):
+                lines.append(line.decode("utf-8", errors="replace"))
+            tables.append(_parse_batch({"text": lines}, fmt, language, delimiter))
+    return pa.concat_tables(tables)
+
+
+def _label_table(path: Path | None, chunk: int = 100_000) -> pa.Table:
+    """The triples' label table (``id, label[, description[, aliases]]`` rows, aliases ``|``-separated; rows may
+    have fewer cells) as Arrow columns id, label, description, aliases, read ``chunk`` rows at a time (a Python
+    row per entity would not fit beside a full extract's millions)."""
+    names = ("id", "label", "description", "aliases")
+    pieces: list[pa.Table] = []
+    cells: list[list[str]] = []
+
+    def flush() -> None:
+        cols = list(zip(*cells, strict=True)) if cells else [()] * 4
+        pieces.append(pa.table({"id": pa.array(cols[0], pa.string()), "label": pa.array(cols[1], pa.string()),
+                                "description": pa.array(cols[2], pa.string()),
+                                "aliases": pa.array([[a.strip() for a in c.split("|") if a.strip()] for c in cols[3]],
+                                                    pa.list_(pa.string()))}))
+        cells.clear()
+
+    if path is not None:
+        with path.open(encoding="utf-8", newline="") as f:
+            for row in csv.reader(f, delimiter="\t" if path.suffix == ".tsv" else ","):
+                if not row:
+                    continue
+                row = [_bare(row[0]), *(c.strip() for c in row[1:4])] + [""] * (4 - min(4, len(row)))
+                if row[0].lower() != "id":
+                    cells.append(row[:4])
+                if len(cells) >= chunk:
+                    flush()
+    flush()
+    return pa.concat_tables(pieces).select(list(names))
+
+
+def _order_ids(ids: pa.Array) -> pa.Array:
+    """Distinct item ids in the order entity ids are given ((length, id): Q2 before Q10), whatever order Ray Data
+    handed the lines back in."""
+    ids = pc.unique(ids)
+    t = pa.table({"n": pc.utf8_length(ids), "id": ids})
+    return t.take(pc.sort_indices(t, [("n", "ascending"), ("id", "ascending")])).column("id").combine_chunks()
+
+
+def _value_hash(folded: list[str]) -> np.ndarray:
+    """64-bit hashes of folded values: the eligibility count compares these, not millions of Python strings."""
+    return np.array([int.from_bytes(hashlib.blake2b(v.encode(), digest_size=8).digest(), "little") for v in folded],
+                    dtype=np.uint64)
+
+
+class _Parts:
+    """Rows of one kind (links, attributes, ...) written to parquet files by entity-id range, so each range is
+    read back alone (bounded memory) when its entities are assembled."""
+
+    def __init__(self, folder: Path, span: int) -> None:
+        self.folder, self.span, self.writers = folder, span, {}
+        folder.mkdir(parents=True, exist_ok=True)
+
+    def write(self, t: pa.Table) -> None:
+        if t.num_rows == 0:
+            return
+        part = pc.divide(t.column("src"), self.span)
+        for k in pc.unique(part).to_pylist():
+            piece = t.filter(pc.equal(part, k))
+            if k not in self.writers:
+                self.writers[k] = pq.ParquetWriter(self.folder / f"{k:06d}.parquet", piece.schema)
+            self.writers[k].write_table(piece)
+
+    def peek(self, k: int) -> pa.Table | None:
+        """Range ``k``'s rows (after ``close``)."""
+        f = self.folder / f"{k:06d}.parquet"
+        return pq.read_table(f) if f.is_file() else None
+
+    def read(self, k: int) -> pa.Table | None:
+        """Range ``k``'s rows, for the last time: the file is deleted (disk holds one copy of the claims)."""
+        t = self.peek(k)
+        (self.folder / f"{k:06d}.parquet").unlink(missing_ok=True)
+        return t
+
+    def close(self) -> None:
+        for w in self.writers.values():
+            w.close()
+        self.writers = {}
+
+
+def _lists(t: pa.Table | None, lo: int, n: int, column: str, dtype: pa.DataType) -> pa.Array:
+    """``column`` of ``t`` (rows of entities ``lo .. lo + n - 1``, by ``src``) as one list per entity, each in the
+    order of ``t``'s other columns (the claims' order); [] for an entity without rows."""
+    if t is None or t.num_rows == 0:
+        return pa.ListArray.from_arrays(pa.array(np.zeros(n + 1, np.int32)), pa.array([], dtype))
+    order = [c for c in t.column_names if c not in ("src", column)]
+    t = t.sort_by([("src", "ascending"), *((c, "ascending") for c in order)])
+    offsets = np.searchsorted(t.column("src").to_numpy(), np.arange(lo, lo + n + 1)).astype(np.int32)
+    return pa.ListArray.from_arrays(pa.array(offsets), t.column(column).combine_chunks().cast(dtype))
+
+
+def _claims(parsed: pq.ParquetFile, fmt: str, ids: pa.Array, label_of: pa.Array, prop_label: dict[str, str],
+            parts: dict[str, _Parts], counts: Counter[str]) -> None:
+    """Every claim row, batch by batch, into the parts: links (item claims), categories (``instance of``
+    targets), attributes (literals, and item claims shown by their target's label, never an answer string),
+    images (P18). Each keeps its claim-order columns (sorted triples: property then object; a JSON entity's
+    line order ``k``), so an entity's lists come out as the former per-record assembly made them."""
+    keys, vals = pa.array(list(prop_label), pa.string()), pa.array(list(prop_label.values()), pa.string())
+    unit_keys, unit_vals = pa.array(list(UNITS), pa.string()), pa.array(list(UNITS.values()), pa.string())
+    for b in parsed.iter_batches(batch_size=1 << 20, columns=["rtype", "s", "p", "kind", "value", "unit", "k"]):
+        t = pa.Table.from_batches([b])
+        t = t.filter(pc.equal(t.column("rtype"), "claim"))
+        src = pc.index_in(t.column("s"), value_set=ids)
+        t = t.append_column("src", src).filter(pc.is_valid(src))  # a property entity's own claims: none kept
+        p, value = t.column("p"), t.column("value")
+        dst = pc.index_in(value, value_set=ids)
+        if fmt == "wikidata_triples":  # an object that is a known item is an entity; anything else a literal
+            kind = pc.if_else(pc.is_in(p, pa.array([IMAGE_PROPERTY, "image"])), "image",
+                              pc.if_else(pc.is_valid(dst), "item", "literal"))
+            order = {"p": p, "o": value}
+        else:
+            kind, order = t.column("kind"), {"k": t.column("k")}
+        rel = pc.coalesce(pc.take(vals, pc.index_in(p, value_set=keys)),
+                          pc.if_else(pc.match_substring_regex(p, r"^P\d+$"), "", p))
+        t = pa.table({"src": t.column("src"), **order, "p": p, "value": value, "unit": t.column("unit"),
+                      "kind": kind, "rel": rel, "dst": dst})
+        counts["claim_not_a_fact"] += int(pc.sum(pc.equal(kind, "skip")).as_py() or 0)
+        images = t.filter(pc.equal(kind, "image"))
+        parts["images"].write(images.select(["src", *order, "value"]))
+        t = t.filter(pc.and_(pc.not_equal(kind, "skip"), pc.not_equal(kind, "image")))
+        unlabelled = pc.equal(t.column("rel"), "")
+        counts["claim_unlabelled_property"] += int(pc.sum(unlabelled).as_py() or 0)
+        t = t.filter(pc.invert(unlabelled))
+        items = t.filter(pc.equal(t.column("kind"), "item"))
+        missing = pc.is_null(items.column("dst"))
+        counts["link_to_missing_item"] += int(pc.sum(missing).as_py() or 0)
+        items = items.filter(pc.invert(missing))
+        parts["links"].write(items.select(["src", *order, "dst", "rel"]))
+        target = pc.take(label_of, items.column("dst"))
+        is_class = pc.is_in(items.column("p"), pa.array([INSTANCE_OF, "instance of"]))
+        labelled = pc.not_equal(target, "")
+        cats = items.filter(pc.and_(is_class, labelled))
+        parts["categories"].write(cats.select(["src", *order]).append_column(
+            "category", pc.take(label_of, cats.column("dst"))))
+        shown = items.filter(pc.and_(pc.invert(is_class), labelled))  # "country: France." on the page
+        lits = t.filter(pc.equal(t.column("kind"), "literal"))
+        unit = pc.fill_null(pc.coalesce(pc.take(unit_vals, pc.index_in(lits.column("unit"), value_set=unit_keys)),
+                                        pc.take(label_of, pc.index_in(lits.column("unit"), value_set=ids))), "")
+        lit_text = pc.utf8_trim_whitespace(pc.binary_join_element_wise(lits.column("value"), unit, " "))
+        # source: the claim as stated (the item's id for an item claim, the value with its unit for a literal)
+        for rows, text, stated, never in ((shown, pc.take(label_of, shown.column("dst")), shown.column("value"), True),
+                                          (lits, lit_text, lit_text, False)):
+            parts["attributes"].write(rows.select(["src", *order]).append_column("key", rows.column("rel"))
+                                      .append_column("text", text)
+                                      .append_column("source", pc.binary_join_element_wise(rows.column("p"), stated,
+                                                                                            ": "))
+                                      .append_column("never", pa.array([never] * rows.num_rows, pa.bool_())))
+
+
+def _degrees_and_holders(parts: dict[str, _Parts], n: int, n_parts: int) -> tuple[np.ndarray, np.ndarray,
+                                                                                  np.ndarray, np.ndarray]:
+    """In- and out-degrees over distinct (src, dst) pairs without self-links, and for each folded attribute
+    value (by 64-bit hash, sorted) how many entities hold it: ``write_kg``'s rules, a range at a time."""
+    indeg, outdeg = np.zeros(n, np.int32), np.zeros(n, np.int32)
+    held = []
+    for k in range(n_parts):
+        lk = parts["links"].peek(k)
+        if lk is not None:
+            pairs = np.unique(lk.column("src").to_numpy().astype(np.int64) * n + lk.column("dst").to_numpy())
+            s_, d_ = pairs // n, pairs % n
+            np.add.at(outdeg, s_[s_ != d_], 1)
+            np.add.at(indeg, d_[s_ != d_], 1)
+        at = parts["attributes"].peek(k)
+        if at is not None:
+            h = _value_hash(_folded(at.column("text")))
+            held.append(np.unique(np.stack([at.column("src").to_numpy().astype(np.uint64), h], axis=1), axis=0)[:, 1])
+    hashes, holders = np.unique(np.concatenate(held), return_counts=True) if held else (
+        np.zeros(0, np.uint64), np.zeros(0, np.int64))
+    return indeg, outdeg, hashes, holders
+
+
+def _folded(values: pa.ChunkedArray) -> list[str]:
+    fold_of = {v: fold(v) for v in pc.unique(values).to_pylist()}
+    return [fold_of[v] for v in values.to_pylist()]
+
+
+def _entity_table(parts: dict[str, _Parts], k: int, lo: int, hi: int, cols: dict[str, pa.Array],
+                  deg: tuple[np.ndarray, np.ndarray], eligible_hashes: np.ndarray) -> tuple[pa.Table, int]:
+    """Entities ``lo .. hi - 1`` as ``ENTITIES_SCHEMA`` rows, and how many of their attributes are eligible."""
+    kind = cols["kind"][lo:hi]
+    at = parts["attributes"].read(k)
+    n_eligible = 0
+    if at is not None:
+        folded = _folded(at.column("text"))
+        h = _value_hash(folded)
+        ok = np.isin(h, eligible_hashes) & np.array([bool(f) and len(f.split()) <= MAX_ANSWER_WORDS for f in folded])
+        ok &= ~at.column("never").to_numpy(zero_copy_only=False)
+        article = pc.equal(pc.take(kind, pc.subtract(at.column("src"), lo)), "article")
+        ok &= article.to_numpy(zero_copy_only=False)
+        n_eligible = int(ok.sum())
+        attr = pa.StructArray.from_arrays([at.column("key").combine_chunks(), at.column("text").combine_chunks(),
+                                           at.column("source").combine_chunks(), pa.array(ok)],
+                                          fields=list(ATTRIBUTE_TYPE))
+        at = at.drop_columns(["key", "text", "source", "never"]).append_column("attr", attr)
+    aliases = [[a for a in (al or []) if a] for al in cols["aliases"][lo:hi].to_pylist()]
+    table = pa.table({
+        "id": pa.array(np.arange(lo, hi), pa.int64()), "title": cols["title"][lo:hi],
+        "aliases": pa.array(aliases, pa.list_(pa.string())), "description": cols["description"][lo:hi],
+        "text": cols["description"][lo:hi], "attributes": _lists(at, lo, hi - lo, "attr", ATTRIBUTE_TYPE),
+        "images": _lists(parts["images"].peek(k), lo, hi - lo, "value", pa.string()),
+        "categories": _lists(parts["categories"].read(k), lo, hi - lo, "category", pa.string()),
+        "in_degree": pa.array(deg[0][lo:hi]), "out_degree": pa.array(deg[1][lo:hi]), "kind": kind,
+        "origin": pa.array(["wikidata"] * (hi - lo))}, schema=ENTITIES_SCHEMA)
+    return table, n_eligible
+
+
+def _links_table(lk: pa.Table) -> pa.Table:
+    """A range's links in claim order, one of each (src, dst, relation), no self-link (``write_kg``'s rules)."""
+    order = [c for c in lk.column_names if c not in ("src", "dst", "rel")]
+    lk = lk.sort_by([("src", "ascending"), *((c, "ascending") for c in order)])
+    seen: set[tuple[int, int, str]] = set()
+    keep = []
+    triples = zip(lk.column("src").to_pylist(), lk.column("dst").to_pylist(), lk.column("rel").to_pylist(),
+                  strict=True)
+    for j, key in enumerate(triples):
+        if key[0] != key[1] and key not in seen:
+            seen.add(key)
+            keep.append(j)
+    lk = lk.take(pa.array(keep, pa.int64()))
+    return pa.table({"src": lk.column("src").cast(pa.int64()), "dst": lk.column("dst").cast(pa.int64()),
+                     "relation": lk.column("rel")}, schema=LINKS_SCHEMA)
 
 
 def build(path: Path, fmt: str, kg_dir: Path, *, labels: Path | None = None, images_dir: Path | None = None,
-          language: str = "en", workers: int = 2, log: Callable[[str], None] = logger.info) -> dict[str, Any]:
-    """Parse ``path`` on Ray Data, join on the driver, write the KG tables into ``kg_dir``; returns counts."""
+          language: str = "en", workers: int = 2, log: Callable[[str], None] = logger.info,
+          part_entities: int = 200_000) -> dict[str, Any]:
+    """Parse ``path`` on Ray Data and write the KG tables into ``kg_dir``; returns counts.
+
+    Nothing per entity is held as Python objects: the parsed rows stream from Ray Data to a parquet file
+    beside the output, the joins (ids to row numbers, property and unit labels) run as Arrow kernels over
+    batches, each claim's output (links, attributes, categories, images) goes to files by entity-id range,
+    and each range of ``part_entities`` entities is assembled and appended to the tables alone. What stays
+    whole is one Arrow column per entity (ids, titles, descriptions, aliases, kinds) and the degree arrays:
+    bytes, not objects (docs/measurements.md has a 1 GB triples file).
+    """
+    import tempfile
+
     import ray
 
     if fmt not in FORMATS:
         raise DataError(f"unknown Wikidata format {fmt!r}; one of {FORMATS}")
     ray.data.DataContext.get_current().enable_progress_bars = False
     delimiter = "\t" if ".tsv" in path.suffixes else ","
-    ds = ray.data.read_text(str(path), override_num_blocks=max(1, workers))
-    ds = ds.map_batches(_parse_batch, fn_kwargs={"fmt": fmt, "language": language, "delimiter": delimiter},
-                        batch_format="numpy", num_cpus=1)
-    parsed, bad = [], []
-    for row in ds.iter_rows():
-        if row["record"]:
-            parsed.append(json.loads(row["record"]))
+    kg_dir.mkdir(parents=True, exist_ok=True)
+    counts: Counter[str] = Counter()
+    with tempfile.TemporaryDirectory(dir=kg_dir, prefix=".build-") as tmp_name:
+        tmp = Path(tmp_name)
+        kwargs = {"fmt": fmt, "language": language, "delimiter": delimiter}
+        if path.suffix in (".bz2", ".gz"):  # a compressed stream has no random access: Ray Data reads it whole
+            ds = ray.data.read_text(str(path), override_num_blocks=max(1, workers))
+            ds = ds.map_batches(_parse_batch, fn_kwargs=kwargs, batch_format="numpy", num_cpus=1)
+        else:  # byte ranges of RANGE_BYTES, each read and parsed by one task (read_text held 6 GB of one file's lines)
+            size = path.stat().st_size
+            ds = ray.data.from_items([{"start": lo, "end": min(size, lo + RANGE_BYTES)}
+                                      for lo in range(0, max(size, 1), RANGE_BYTES)])
+            ds = ds.map_batches(_parse_range, fn_kwargs={"path": str(path), **kwargs}, batch_size=1,
+                                batch_format="numpy", num_cpus=1)
+        with pq.ParquetWriter(tmp / "parsed.parquet", PARSED) as w:
+            for batch in ds.iter_batches(batch_format="pyarrow", batch_size=65_536):
+                w.write_table(batch.cast(PARSED))
+        parsed = pq.ParquetFile(tmp / "parsed.parquet")
+
+        def rows(rtype: str, columns: list[str]) -> pa.Table:
+            return pa.concat_tables([t.filter(pc.equal(t.column("rtype"), rtype)) for t in (
+                pa.Table.from_batches([b]) for b in parsed.iter_batches(batch_size=1 << 20,
+                                                                        columns=["rtype", *columns]))]
+                                    or [PARSED.empty_table().select(["rtype", *columns])])
+
+        bad = rows("error", ["error"]).column("error")
+        prop_label = dict(PROPERTY_LABELS)
+        if fmt == "wikidata_json":
+            ents = rows("entity", ["s", "etype", "label", "description", "aliases"])
+            props = ents.filter(pc.equal(ents.column("etype"), "property"))
+            prop_label.update({i: lab for i, lab in zip(props.column("s").to_pylist(),
+                                                        props.column("label").to_pylist(), strict=True) if lab})
+            ents = ents.filter(pc.equal(ents.column("etype"), "item")).rename_columns(
+                ["rtype", "id", "etype", "label", "description", "aliases"])
+            ids = _order_ids(ents.column("id"))
+            log(f"build_kg: {ents.num_rows} entities parsed, {len(bad)} bad lines skipped")
         else:
-            bad.append(row["error"])
-    log(f"build_kg: {len(parsed)} {'entities' if fmt == 'wikidata_json' else 'triples'} parsed, "
-        f"{len(bad)} bad lines skipped")
-    records = parsed if fmt == "wikidata_json" else _records_from_triples(sorted(tuple(t) for t in parsed), labels)
-    if images_dir is not None and kg_dir.joinpath("images").is_dir():
-        shutil.rmtree(kg_dir / "images")  # a rebuild must not keep photos of a former input
-    entities, links, anchors, counts = assemble(records, images_dir, kg_dir)
-    written = write_kg(kg_dir, entities, links, anchors)
-    return {**written, "bad_lines": len(bad), "bad_examples": bad[:5], **dict(counts)}
+            ents = _label_table(labels)
+            prop_label.update({i: lab for i, lab in zip(ents.column("id").to_pylist(),
+                                                        ents.column("label").to_pylist(), strict=True)
+                               if lab and _PROPERTY_ID.match(i)})
+            claims = rows("claim", ["s", "value"])
+            subjects = pc.unique(claims.column("s"))
+            o = claims.column("value")
+            labelled = ents.column("id").filter(pc.match_substring_regex(ents.column("id"), r"^Q\d+$"))
+            ids = _order_ids(pa.chunked_array([subjects, pc.unique(o.filter(pc.or_(
+                pc.is_in(o, subjects), pc.is_in(o, labelled))))]))
+            log(f"build_kg: {claims.num_rows} triples parsed, {len(bad)} bad lines skipped")
+            del claims, o
+        n = len(ids)
+        at = pc.index_in(ids, value_set=ents.column("id"))  # each entity's row of the label / entity table
+        label_of = pc.fill_null(pc.take(ents.column("label"), at), "")  # "" where an entity has no label
+        counts["unlabelled_entity"] = int(pc.sum(pc.equal(label_of, "")).as_py() or 0)
+        description = pc.fill_null(pc.take(ents.column("description"), at), "")
+        desc = pc.utf8_lower(description)
+        cols = {"title": pc.if_else(pc.equal(label_of, ""), ids, label_of), "description": description,
+                "aliases": pc.take(ents.column("aliases"), at),
+                "kind": pc.if_else(pc.match_substring(desc, "disambiguation page"), "disambiguation",
+                                   pc.if_else(pc.match_substring(desc, "list article"), "list", "article"))}
+        del ents, desc
+
+        span = max(1, part_entities)
+        n_parts = (n + span - 1) // span
+        parts = {name: _Parts(tmp / name, span) for name in ("links", "attributes", "categories", "images")}
+        _claims(parsed, fmt, ids, label_of, prop_label, parts, counts)
+        for part in parts.values():
+            part.close()
+        indeg, outdeg, hashes, holders = _degrees_and_holders(parts, n, n_parts)
+        eligible_hashes = hashes[holders <= max(1, int(MAX_SHARED_FRACTION * n))]
+
+        licences = read_licences(images_dir) if images_dir else {}
+        if images_dir is not None and kg_dir.joinpath("images").is_dir():
+            shutil.rmtree(kg_dir / "images")  # a rebuild must not keep photos of a former input
+        anchors: list[dict[str, Any]] = []
+        n_links = n_eligible = 0
+        with pq.ParquetWriter(tmp / "entities.parquet", ENTITIES_SCHEMA, compression="zstd") as ew, \
+                pq.ParquetWriter(tmp / "links.parquet", LINKS_SCHEMA, compression="zstd") as lw:
+            for k in range(n_parts):
+                lo, hi = k * span, min(n, (k + 1) * span)
+                lk = parts["links"].read(k)
+                if lk is not None:
+                    links = _links_table(lk)
+                    lw.write_table(links)
+                    n_links += links.num_rows
+                imgs = parts["images"].peek(k)
+                table, eligible = _entity_table(parts, k, lo, hi, cols, (indeg, outdeg), eligible_hashes)
+                ew.write_table(table)
+                n_eligible += eligible
+                for i, name in zip(imgs.column("src").to_pylist() if imgs is not None and images_dir else [],
+                                   imgs.column("value").to_pylist() if imgs is not None and images_dir else [],
+                                   strict=True):
+                    a = _anchor(images_dir, kg_dir, i, name, cols["title"][i].as_py(), description[i].as_py(),
+                                licences)
+                    if a is not None:
+                        anchors.append(a)
+        pq.write_table(pa.Table.from_pylist(anchors, schema=ANCHORS_SCHEMA), tmp / "anchors.parquet",
+                       compression="zstd")
+        for name in ("entities.parquet", "links.parquet", "anchors.parquet"):
+            os.replace(tmp / name, kg_dir / name)
+    return {"entities": n, "links": n_links, "anchors": len(anchors), "eligible_attributes": n_eligible,
+            "bad_lines": len(bad), "bad_examples": bad.slice(0, 5).to_pylist(), **dict(counts)}
+
+
+def _anchor(images_dir: Path, kg_dir: Path, eid: int, name: str, title: str, description: str,
+            licences: dict[str, str]) -> dict[str, Any] | None:
+    """An anchor photo for entity ``eid`` when ``images_dir`` holds a file of the P18 name (copied into the KG)."""
+    src = next((images_dir / n for n in (name, name.replace(" ", "_")) if (images_dir / n).is_file()), None)
+    if src is None:
+        return None
+    (kg_dir / "images").mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(src, kg_dir / "images" / src.name)
+    return {"entity_id": eid, "image": src.name, "caption": f"{title}: {description}",
+            "source": f"wikidata {IMAGE_PROPERTY}", "licence": licences.get(src.name, ""), "score": 1.0,
+            "scorer": "wikidata_p18"}

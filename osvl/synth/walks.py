@@ -45,6 +45,9 @@ SPLITS = get_args(Split)
 NON_ANSWER_KEYS = {"caption", "image", "coordinates", "website", "see also", "spoiler warning", "source",
                    "map", "footnotes", "notes", "signature", "logo", "url", "image caption"}
 LIST_PREFIXES = ("list of ", "lists of ", "index of ", "outline of ", "timeline of ", "glossary of ")
+# Relations that give a thing's type, not a fact about it: "the instance of ..." is no question (a type is asked
+# "what kind of thing is ...", which the grammar does not make)
+TYPE_RELATIONS = {"instance of", "subclass of", "linked_to"}
 LIST_DESCRIPTIONS = ("wikimedia list article", "wikimedia disambiguation page", "wikimedia index",
                      "wikimedia set index article")
 
@@ -368,12 +371,12 @@ class WalkConfig:
 
 
 def askable_relation(graph: Graph, src: int, dst: int, relation: str, max_words: int) -> bool:
-    """Whether "the <relation> of <src>" has one answer, ``dst``: a typed relation (``linked_to`` asks nothing)
+    """Whether "the <relation> of <src>" has one answer, ``dst``: a typed relation (not ``linked_to`` nor a type)
     that leads from ``src`` to ``dst`` alone, and a short name that is not a list page's. The answer may be a
     hub (a country, an occupation: most item-valued facts point to one) and in any split: it is a value, not
     a page the question walks through, as an attribute's value is."""
     ent = graph.entities[dst]
-    if relation == "linked_to" or ent.list_page or len(ent.title.split()) > max_words or not fold(ent.title):
+    if fold(relation) in TYPE_RELATIONS or ent.list_page or len(ent.title.split()) > max_words or not fold(ent.title):
         return False
     return [d for d, r in graph.links_from.get(src, ()) if r == relation] == [dst]
 
