@@ -49,7 +49,7 @@ import os
 import re
 import shutil
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -506,11 +506,13 @@ def build(path: Path, fmt: str, kg_dir: Path, *, labels: Path | None = None, ima
                 w.write_table(batch.cast(PARSED))
         parsed = pq.ParquetFile(tmp / "parsed.parquet")
 
+        def batches(rtype: str, columns: list[str]) -> Iterator[pa.Table]:
+            for b in parsed.iter_batches(batch_size=1 << 20, columns=["rtype", *columns]):
+                t = pa.Table.from_batches([b])
+                yield t.filter(pc.equal(t.column("rtype"), rtype))
+
         def rows(rtype: str, columns: list[str]) -> pa.Table:
-            return pa.concat_tables([t.filter(pc.equal(t.column("rtype"), rtype)) for t in (
-                pa.Table.from_batches([b]) for b in parsed.iter_batches(batch_size=1 << 20,
-                                                                        columns=["rtype", *columns]))]
-                                    or [PARSED.empty_table().select(["rtype", *columns])])
+            return pa.concat_tables(list(batches(rtype, columns)) or [PARSED.empty_table().select(["rtype", *columns])])
 
         bad = rows("error", ["error"]).column("error")
         prop_label = dict(PROPERTY_LABELS)
@@ -528,14 +530,18 @@ def build(path: Path, fmt: str, kg_dir: Path, *, labels: Path | None = None, ima
             prop_label.update({i: lab for i, lab in zip(ents.column("id").to_pylist(),
                                                         ents.column("label").to_pylist(), strict=True)
                                if lab and _PROPERTY_ID.match(i)})
-            claims = rows("claim", ["s", "value"])
-            subjects = pc.unique(claims.column("s"))
-            o = claims.column("value")
+            # items: the subjects, and the objects that are subjects or labelled Q-ids (two passes, a batch at a time)
+            subjects = pc.unique(pa.chunked_array([pc.unique(t.column("s")) for t in batches("claim", ["s"])],
+                                                  pa.string()))
             labelled = ents.column("id").filter(pc.match_substring_regex(ents.column("id"), r"^Q\d+$"))
-            ids = _order_ids(pa.chunked_array([subjects, pc.unique(o.filter(pc.or_(
-                pc.is_in(o, subjects), pc.is_in(o, labelled))))]))
-            log(f"build_kg: {claims.num_rows} triples parsed, {len(bad)} bad lines skipped")
-            del claims, o
+            objects, n_triples = [], 0
+            for t in batches("claim", ["value"]):
+                o = t.column("value")
+                objects.append(pc.unique(o.filter(pc.or_(pc.is_in(o, subjects), pc.is_in(o, labelled)))))
+                n_triples += t.num_rows
+            ids = _order_ids(pa.chunked_array([subjects, *objects], pa.string()))
+            log(f"build_kg: {n_triples} triples parsed, {len(bad)} bad lines skipped")
+            del objects
         n = len(ids)
         at = pc.index_in(ids, value_set=ents.column("id"))  # each entity's row of the label / entity table
         label_of = pc.fill_null(pc.take(ents.column("label"), at), "")  # "" where an entity has no label
