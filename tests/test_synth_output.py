@@ -120,6 +120,8 @@ def check_output(out: Path, kg: Path) -> list[dict]:
     assert not (s["sft"] & s["rl"]) and not (s["sft"] & s["heldout"]) and not (s["rl"] & s["heldout"])
     for r in rows:
         assert r["hops"] == len(r["path"]) - 1 and 1 <= len(r["answer"].split()) <= 6
+        if r["path"][-1]["descriptor_kind"] == "answer":  # an asked entity: over a relation that is a fact, not a type
+            assert fold(r["answer_key"]) not in ("linked to", "instance of", "subclass of"), r["question"]
         assert all((out / "images" / name).is_file() for name in r["images"])
         if r["degraded"]:
             rec = json.loads(r["degradation"])

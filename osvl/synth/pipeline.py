@@ -6,8 +6,8 @@ Stages, in order (each drops and counts by reason; the counts end up in the data
    grounded anchor image; every entity gets one split (``walks.assign_splits``), and
    seeds are dealt round-robin into ``num_shards`` shards.
 2. **synthesize** (Ray Data ``map_batches`` over shard numbers, one actor per worker,
-   each loading the KG once): per seed, sample ``h``, walk, rewrite, check the three
-   invariants, deduplicate by path and answer, attach (and maybe degrade) an image;
+   each mapping the KG compiled once per node, ``osvl.kg.compiled``): per seed, sample ``h``,
+   walk, rewrite, check the three invariants, deduplicate by path and answer, attach (and maybe degrade) an image;
    a seed stops after ``patience`` attempts in a row made nothing new, and a seed that
    made nothing is counted per split with its most frequent failure.
    Every shard has its own RNG seeded from ``(run.seed, shard)``, so a shard's rows
@@ -36,7 +36,7 @@ import json
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -55,7 +55,7 @@ from osvl.synth.degrade import UNDO_TOOL, degrade
 from osvl.synth.difficulty import DifficultyConfig
 from osvl.synth.invariants import fold, violations
 from osvl.synth.rewrite import llm_rewrite, template_rewrite
-from osvl.synth.walks import SPLITS, Graph, WalkConfig, assign_splits, random_walk
+from osvl.synth.walks import SPLITS, Graph, SplitMap, WalkConfig, assign_splits, random_walk
 
 logger = logging.getLogger(__name__)
 
@@ -160,7 +160,7 @@ def validate(cfg: SynthConfig) -> None:
         raise ConfigError("num_shards, workers, questions_per_seed and patience must be >= 1")
 
 
-def plan(graph: Graph, cfg: SynthConfig) -> tuple[list[list[int]], dict[int, str]]:
+def plan(graph: Graph, cfg: SynthConfig) -> tuple[list[list[int]], SplitMap]:
     """Seeds dealt into shards, and every entity's split; the same on every worker."""
     seeds = graph.seeds(cfg.min_grounding_score)
     fractions = dict(zip(SPLITS, cfg.split_fractions, strict=False))  # three shares: no dev split
@@ -242,7 +242,7 @@ def question_id(path: list[dict[str, Any]], answer_key: str, answer: str) -> str
     return hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
-def synthesize_shard(graph: Graph, cfg: SynthConfig, shard: int, seeds: list[int], split_of: dict[int, str],
+def synthesize_shard(graph: Graph, cfg: SynthConfig, shard: int, seeds: list[int], split_of: Mapping[int, str],
                      images: ImageStore) -> tuple[list[dict[str, Any]], dict[str, Counter[str]]]:
     """All questions of one shard, and its counts by stage and reason."""
     rng = np.random.default_rng([cfg.run.seed, shard])
@@ -351,7 +351,7 @@ def _draft_of(row: dict[str, Any]) -> Any:
 
 
 class ShardWorker:
-    """Ray Data callable class: loads the KG once per actor, then synthesizes and commits whole shards."""
+    """Ray Data callable class: maps the compiled KG once per actor, then synthesizes and commits whole shards."""
 
     def __init__(self, cfg: dict[str, Any], out_dir: str):
         self.cfg = from_dict(SynthConfig, cfg)
@@ -609,7 +609,10 @@ def check_same_kg(graph: Graph, shard_dir: Path) -> None:
     digest = hashlib.sha256()
     for name in ("entities.parquet", "links.parquet", "anchors.parquet"):
         path = graph.root / name if graph.root else None
-        digest.update(path.read_bytes() if path and path.is_file() else b"")
+        if path and path.is_file():
+            with open(path, "rb") as f:  # in chunks: a large KG's tables need not fit the driver
+                for chunk in iter(lambda f=f: f.read(1 << 24), b""):
+                    digest.update(chunk)
     stamp, fingerprint = shard_dir / "kg.sha256", digest.hexdigest()
     shard_dir.mkdir(parents=True, exist_ok=True)
     if stamp.is_file() and stamp.read_text().strip() != fingerprint:
@@ -651,7 +654,7 @@ def run(cfg: SynthConfig, *, log: Callable[[str], None] = logger.info) -> tuple[
     t0 = time.perf_counter()
     out = run_dir(cfg, JOB)
     graph = Graph.load(cfg.kg_dir or None, max_answer_words=cfg.walk.max_answer_words)
-    shards, _ = plan(graph, cfg)
+    shards = plan(graph, cfg)[0]
     n_seeds = sum(len(s) for s in shards)
     if n_seeds == 0:
         raise ConfigError(f"the KG at {graph.root} has no seed entity (no anchor scoring >= "
@@ -660,6 +663,7 @@ def run(cfg: SynthConfig, *, log: Callable[[str], None] = logger.info) -> tuple[
     todo = [k for k in range(cfg.num_shards) if not shard_path(out / "shards", k).exists()]
     log(f"synthesize: {len(graph.entities)} entities, {n_seeds} seeds in {cfg.num_shards} shards; "
         f"{cfg.num_shards - len(todo)} already done, {len(todo)} to run with {cfg.workers} workers -> {out}")
+    del graph, shards  # the workers map their own; the driver keeps no share of the pages they touch
     if todo:
         init_ray()
         run_shards(ShardWorker, {"cfg": to_dict(cfg), "out_dir": storage.location(out)}, todo, cfg.num_shards,

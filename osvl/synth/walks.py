@@ -1,10 +1,11 @@
 """The KG as synthesis sees it, and constrained random walks over it.
 
-``Graph`` is a read-only view of the KG (``osvl.kg.schema.load_kg``) holding only what
-synthesis needs, precomputed once per worker: names, short descriptions,
-categories, answerable attributes, deduplicated adjacency and value frequencies.
-It can also be built from plain lists of row dicts, which is how unit tests make
-graphs of a dozen entities.
+``Graph`` is a read-only view of the KG (the tables ``osvl.kg.schema`` defines) holding only
+what synthesis needs: names, short descriptions, categories, answerable attributes,
+deduplicated adjacency and value frequencies. It reads them from the graph compiled once per
+node (``osvl.kg.compiled``), which every worker of the node maps rather than copies, so a
+node's memory follows the KG, not its worker count. It can also be built from plain lists of
+row dicts, which is how unit tests make graphs of a dozen entities.
 
 A walk starts at a *seed* (an entity with a grounded anchor image), takes ``h``
 hops along out-links and ends at an entity with an answerable attribute. The
@@ -26,14 +27,20 @@ constraints and why:
 from __future__ import annotations
 
 import hashlib
+import itertools
+import tempfile
 from collections import Counter, defaultdict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
+from functools import lru_cache, partial
 from pathlib import Path
 from typing import Any, Literal, get_args
 
 import numpy as np
+import pyarrow as pa
 
+from osvl.kg.compiled import CompiledGraph, compile_graph, ensure
+from osvl.kg.schema import SAMPLE_DIR
 from osvl.synth.invariants import fold
 
 Split = Literal["sft", "rl", "heldout", "dev"]
@@ -47,7 +54,7 @@ NON_ANSWER_KEYS = {"caption", "image", "coordinates", "website", "see also", "sp
 LIST_PREFIXES = ("list of ", "lists of ", "index of ", "outline of ", "timeline of ", "glossary of ")
 # Relations that give a thing's type, not a fact about it: "the instance of ..." is no question (a type is asked
 # "what kind of thing is ...", which the grammar does not make)
-TYPE_RELATIONS = {"instance of", "subclass of", "linked_to"}
+TYPE_RELATIONS = {"instance of", "subclass of", "linked to"}  # folded: "linked_to" folds to "linked to"
 LIST_DESCRIPTIONS = ("wikimedia list article", "wikimedia disambiguation page", "wikimedia index",
                      "wikimedia set index article")
 
@@ -107,74 +114,136 @@ def _answers(attributes: list[dict[str, Any]], max_words: int) -> list[tuple[str
     return out
 
 
+def _entity(row: dict[str, Any], max_words: int) -> Entity:
+    """One entity row as synthesis sees it; raises on a malformed row (the compiler skips and counts it)."""
+    attrs = [dict(a) for a in (row.get("attributes") or [])]
+    return Entity(id=int(row["id"]), title=str(row["title"]), aliases=[str(a) for a in (row.get("aliases") or [])],
+                  description=str(row.get("description") or ""),
+                  categories=[str(c) for c in (row.get("categories") or [])],
+                  attributes=[(str(a["key"]), str(a["value"])) for a in attrs],
+                  answers=_answers(attrs, max_words), list_page=_is_list_page(row),
+                  in_degree=int(row.get("in_degree") or 0))
+
+
+def _entity_at(kg: CompiledGraph, row: int) -> Entity:
+    rec = kg.record(row)
+    pairs = {k: [(p["key"], p["value"]) for p in rec[k]] for k in ("attributes", "answers")}
+    return Entity(id=rec["id"], title=rec["title"], aliases=rec["aliases"], description=rec["description"],
+                  categories=rec["categories"], attributes=pairs["attributes"], answers=pairs["answers"],
+                  list_page=rec["list_page"], in_degree=rec["in_degree"],
+                  folded_attributes={(fold(k), fold(v)) for k, v in pairs["attributes"]})
+
+
+def _one_edge_per_neighbour(pairs: list[tuple[int, str]]) -> list[tuple[int, str]]:
+    """One edge per neighbour for walking; a typed relation beats ``linked_to`` because it words better."""
+    best: dict[int, str] = {}
+    for dst, rel in sorted(pairs):
+        if dst not in best or (best[dst] == "linked_to" and rel != "linked_to"):
+            best[dst] = rel
+    return sorted(best.items())
+
+
+class _ByRow(Mapping[int, Any]):
+    """Entity id -> ``value(row)``, cached for the entities a worker keeps visiting (a walk's neighbourhood);
+    iterates the ids in the KG's row order (every entity, or those with a link when ``linked``)."""
+
+    def __init__(self, kg: CompiledGraph, value: Callable[[int], Any], size: int, linked: bool = False):
+        self._kg, self._value, self._linked = kg, lru_cache(maxsize=size)(value), linked
+
+    def __getitem__(self, eid: int) -> Any:
+        row = self._kg.row(eid)
+        if row < 0:
+            raise KeyError(eid)
+        return self._value(row)
+
+    def __contains__(self, eid: object) -> bool:
+        return isinstance(eid, int | np.integer) and self._kg.row(int(eid)) >= 0
+
+    def _rows(self) -> np.ndarray | None:
+        return np.flatnonzero(np.diff(self._kg.offsets)) if self._linked else None
+
+    def __iter__(self) -> Iterator[int]:
+        rows = self._rows()
+        for a in range(0, len(self._kg) if rows is None else len(rows), 65_536):
+            yield from (self._kg.ids[a:a + 65_536] if rows is None else self._kg.ids[rows[a:a + 65_536]]).tolist()
+
+    def __len__(self) -> int:
+        rows = self._rows()
+        return len(self._kg) if rows is None else len(rows)
+
+
+class _Names:
+    """Folded name -> ids of the entities with that title or alias (a hash index: not iterable)."""
+
+    def __init__(self, kg: CompiledGraph, entities: _ByRow):
+        self._kg, self._entities = kg, entities
+
+    def __getitem__(self, name: str) -> list[int]:
+        out = []
+        for row in self._kg.named(name):
+            eid = int(self._kg.ids[row])
+            ent = self._entities[eid]
+            if name in {fold(ent.title), *(fold(a) for a in ent.aliases)}:  # not a hash collision
+                out.append(eid)
+        return out
+
+    def get(self, name: str, default: Any = None) -> Any:
+        return self[name] or default
+
+
+class _ValueCounts:
+    """Folded answer value -> how many answers of the KG have it (0 when none, as a ``Counter``)."""
+
+    def __init__(self, kg: CompiledGraph):
+        self._kg = kg
+
+    def __getitem__(self, value: str) -> int:
+        return self._kg.value_count(value)
+
+
 class Graph:
-    """Read-only KG view: ``entities`` by id, raw ``links_from``, deduplicated out-neighbours, anchors."""
+    """Read-only KG view: ``entities`` by id, raw ``links_from``, deduplicated out-neighbours, anchors.
+
+    Backed by a compiled graph (``osvl.kg.compiled``) that every process of a node maps, so a worker holds
+    only the entities it visits. ``entities``, ``links_from`` and ``out`` are read-only mappings by id;
+    ``by_name`` and ``value_count`` are hash lookups (no iteration). Built from row dicts (tests), the
+    rows are compiled into a temporary folder first: one implementation either way.
+    """
 
     def __init__(self, entities: Iterable[dict[str, Any]], links: Iterable[dict[str, Any]],
                  anchors: Iterable[dict[str, Any]] = (), *, root: str | Path = "", max_answer_words: int = 6):
-        self.root = Path(root) if root else None
-        self.entities: dict[int, Entity] = {}
-        self.bad: Counter[str] = Counter()  # malformed rows skipped, by table
         rows = list(entities)
-        for row in rows:
-            try:
-                eid = int(row["id"])
-                attrs = [dict(a) for a in (row.get("attributes") or [])]
-                ent = Entity(
-                    id=eid, title=str(row["title"]), aliases=[str(a) for a in (row.get("aliases") or [])],
-                    description=str(row.get("description") or ""),
-                    categories=[str(c) for c in (row.get("categories") or [])],
-                    attributes=[(str(a["key"]), str(a["value"])) for a in attrs],
-                    answers=_answers(attrs, max_answer_words), list_page=_is_list_page(row),
-                    in_degree=int(row.get("in_degree") or 0))
-            except (KeyError, TypeError, ValueError, AttributeError):
-                self.bad["entity"] += 1  # one broken page must not stop a run over millions
-                continue
-            ent.folded_attributes = {(fold(k), fold(v)) for k, v in ent.attributes}
-            self.entities[eid] = ent
-        self.links_from: dict[int, list[tuple[int, str]]] = defaultdict(list)
-        in_count: Counter[int] = Counter()
-        for link in links:
-            src, dst, rel = int(link["src"]), int(link["dst"]), str(link["relation"] or "linked_to")
-            if src in self.entities and dst in self.entities and src != dst:
-                self.links_from[src].append((dst, rel))
-                in_count[dst] += 1
-            else:
-                self.bad["link"] += 1
-        if not any("in_degree" in r for r in rows):
-            for eid, ent in self.entities.items():
-                ent.in_degree = in_count[eid]
-        # one edge per neighbour for walking; a typed relation beats ``linked_to`` because it words better
-        self.out: dict[int, list[tuple[int, str]]] = {}
-        for src, pairs in self.links_from.items():
-            best: dict[int, str] = {}
-            for dst, rel in sorted(pairs):
-                if dst not in best or (best[dst] == "linked_to" and rel != "linked_to"):
-                    best[dst] = rel
-            self.out[src] = sorted(best.items())
-        self.anchors: dict[int, list[Anchor]] = defaultdict(list)
-        for a in anchors:
-            eid = int(a["entity_id"])
-            if eid in self.entities:
-                self.anchors[eid].append(Anchor(str(a["image"]), str(a.get("caption") or ""),
-                                                str(a.get("source") or ""), str(a.get("licence") or ""),
-                                                float(a.get("score") or 0.0), str(a.get("scorer") or "")))
-        self.by_name: dict[str, list[int]] = defaultdict(list)
-        for eid, ent in self.entities.items():
-            for name in {fold(ent.title), *(fold(a) for a in ent.aliases)}:
-                if name:
-                    self.by_name[name].append(eid)
-        self.value_count: Counter[str] = Counter(fold(v) for e in self.entities.values() for _, v in e.answers)
+        links = list(links)
+        self._tmp = tempfile.TemporaryDirectory(prefix="osvl-graph-")  # removed with the graph
+        ends = [np.array([int(link[k]) for link in links], dtype=np.int64) for k in ("src", "dst")]
+        rel = pa.array([str(link["relation"]) if link["relation"] else None for link in links], pa.string())
+        compile_graph(Path(self._tmp.name), [rows], [(ends[0], ends[1], rel)], anchors,
+                      partial(_entity, max_words=max_answer_words), strict=False,
+                      count_in_degree=not any("in_degree" in r for r in rows))
+        self._open(self._tmp.name, root)
+
+    def _open(self, folder: str | Path, root: str | Path) -> None:
+        self.root = Path(root) if root else None
+        self._kg = kg = CompiledGraph(folder)
+        self.bad: Counter[str] = Counter({k: v for k, v in kg.meta["bad"].items() if v})  # skipped rows, by table
+        self.entities: Mapping[int, Entity] = _ByRow(kg, partial(_entity_at, kg), 1 << 14)
+        self.links_from: Mapping[int, list[tuple[int, str]]] = _ByRow(kg, kg.links, 1 << 12, linked=True)
+        self.out: Mapping[int, list[tuple[int, str]]] = _ByRow(
+            kg, lambda row: _one_edge_per_neighbour(kg.links(row)), 1 << 14, linked=True)
+        self.anchors: dict[int, list[Anchor]] = defaultdict(list)  # a few per seed: plain objects
+        for a in kg.anchors:
+            self.anchors[a.pop("entity_id")].append(Anchor(**a))
+        self.by_name = _Names(kg, self.entities)
+        self.value_count = _ValueCounts(kg)
 
     @classmethod
     def load(cls, kg_dir: str | Path | None = None, *, max_answer_words: int = 6) -> Graph:
-        """Read a KG folder through ``osvl.kg.schema.load_kg`` (default: the committed sample)."""
-        from osvl.kg.schema import load_kg
-
-        kg = load_kg(kg_dir)
-        links = ({"src": s, "dst": d, "relation": r} for s, pairs in kg.out_links.items() for d, r in pairs)
-        anchors = (a for rows in kg.anchors.values() for a in rows)
-        return cls(kg.entities.values(), links, anchors, root=kg.root, max_answer_words=max_answer_words)
+        """Open a KG folder (default: the committed sample), compiling it first if no process of this node has."""
+        root = Path(kg_dir) if kg_dir is not None else SAMPLE_DIR
+        folder = ensure(root, partial(_entity, max_words=max_answer_words), f"max_answer_words={max_answer_words}")
+        graph = cls.__new__(cls)
+        graph._open(folder, root)
+        return graph
 
     def neighbours(self, eid: int) -> list[int]:
         return [dst for dst, _ in self.out.get(eid, ())]
@@ -194,6 +263,29 @@ class Graph:
         return sorted(out)
 
 
+SPLIT_CODES = (*SPLITS, "train")
+"""``SplitMap`` codes: the splits, and ``train`` (sft + rl) of ``assign_splits``' first round."""
+
+
+class SplitMap(Mapping[int, str]):
+    """Entity id -> split, one byte per entity of the graph (``-1``: none) instead of a dict over millions."""
+
+    def __init__(self, graph: Graph, codes: np.ndarray):
+        self._kg, self.codes = graph._kg, codes
+
+    def __getitem__(self, eid: int) -> str:
+        row = self._kg.row(eid)
+        if row < 0 or self.codes[row] < 0:
+            raise KeyError(eid)
+        return SPLIT_CODES[self.codes[row]]
+
+    def __iter__(self) -> Iterator[int]:
+        yield from self._kg.ids[self.codes >= 0].tolist()
+
+    def __len__(self) -> int:
+        return int((self.codes >= 0).sum())
+
+
 def _unit(*parts: Any) -> float:
     """A deterministic number in [0, 1) from its parts (stable across processes, unlike ``hash``)."""
     digest = hashlib.sha256("\x1f".join(map(str, parts)).encode()).digest()
@@ -202,7 +294,7 @@ def _unit(*parts: Any) -> float:
 
 def assign_splits(graph: Graph, seeds: list[int], fractions: dict[str, float],
                   entity_fractions: dict[str, float], run_seed: int, hub_in_degree: int = 300,
-                  poor: int = 3, depth: int = 1) -> dict[int, str]:
+                  poor: int = 3, depth: int = 1) -> SplitMap:
     """Give every entity one split: seeds in the exact proportions, their neighbourhoods with them, the rest by hash.
 
     ``fractions`` and ``entity_fractions`` map split names to shares; a split they leave out gets none.
@@ -221,19 +313,22 @@ def assign_splits(graph: Graph, seeds: list[int], fractions: dict[str, float],
         return _deal(graph, seeds, {s: shares[s] for s in three}, {s: entity_shares[s] for s in three}, *args)
     first = _deal(graph, seeds, *({"train": f["sft"] + f["rl"], "heldout": f["heldout"], "dev": f["dev"]}
                                   for f in (shares, entity_shares)), *args)
-    train = {e for e, s in first.items() if s == "train"}
-    if not train:  # sft and rl have no share
+    train = first.codes == SPLIT_CODES.index("train")
+    if not train.any():  # sft and rl have no share
         return first
-    second = _deal(graph, [e for e in seeds if e in train],
+    second = _deal(graph, [e for e in seeds if first[e] == "train"],
                    *({"sft": f["sft"] / (f["sft"] + f["rl"]), "rl": f["rl"] / (f["sft"] + f["rl"])}
                      for f in (shares, entity_shares)), *args, domain=train)
-    return {**first, **second}
+    codes = first.codes.copy()
+    codes[second.codes >= 0] = second.codes[second.codes >= 0]
+    return SplitMap(graph, codes)
 
 
 def _deal(graph: Graph, seeds: list[int], fractions: dict[str, float], entity_fractions: dict[str, float],
-          run_seed: int, hub_in_degree: int, poor: int, depth: int, domain: set[int] | None = None) -> dict[int, str]:
+          run_seed: int, hub_in_degree: int, poor: int, depth: int, domain: np.ndarray | None = None) -> SplitMap:
     """One round of ``assign_splits`` over the splits ``fractions`` names (in its order), for every entity of
-    ``domain`` (default: the whole graph; a second round's, whose seeds share their first hops, see below).
+    ``domain`` (a mask over the graph's rows; default: the whole graph; a second round's, whose seeds share
+    their first hops, see below).
 
     Seeds are few (tens), so they are dealt out to hit the question shares. Then each
     seed claims its out-neighbours for its split, and, up to ``depth`` hops (the longest
@@ -251,8 +346,14 @@ def _deal(graph: Graph, seeds: list[int], fractions: dict[str, float], entity_fr
     only to their painter), then those whose poor neighbourhoods meet deeper (two
     cities of one region), always while the group stays within the smallest split's
     share of seeds, so that the split fractions still hold.
+
+    Seeds and their neighbourhoods are few and go through a dict; the hashed rest (nearly every entity of
+    a large KG) is written straight into ``SplitMap``'s byte per entity.
     """
     walkable_of: dict[int, list[int]] = {}
+
+    def in_domain(e: int) -> bool:
+        return domain is None or bool(domain[graph._kg.row(e)])
 
     def walkable(e: int) -> list[int]:
         if e not in walkable_of:
@@ -321,7 +422,7 @@ def _deal(graph: Graph, seeds: list[int], fractions: dict[str, float], entity_fr
         claimants: dict[int, set[str]] = defaultdict(set)
         for e in seeds:
             for dst in graph.neighbours(e):
-                if dst in domain and dst not in split_of:
+                if in_domain(dst) and dst not in split_of:
                     claimants[dst].add(split_of[e])
         for dst, splits in sorted(claimants.items()):
             pick = [n for n in names if n in splits]
@@ -335,21 +436,21 @@ def _deal(graph: Graph, seeds: list[int], fractions: dict[str, float], entity_fr
             if level > 1 and len(walkable(e)) > poor:
                 continue
             for dst in graph.neighbours(e) if level == 1 else walkable(e):
-                if dst not in split_of and (domain is None or dst in domain):
+                if dst not in split_of and in_domain(dst):
                     split_of[dst] = split_of[e]
                     claimed.append(dst)
         frontier = claimed
-    last = [s for s in names if entity_fractions[s] > 0][-1]  # rounding's leftover: never a split with no share
-    for eid in graph.entities if domain is None else sorted(domain):
-        if eid in split_of:
-            continue
-        u, cum = _unit(run_seed, "entity", eid), 0.0
-        for name in names:
-            cum += entity_fractions[name]
-            if u < cum or name == last:
-                split_of[eid] = name
-                break
-    return split_of
+    codes = np.full(len(graph.entities), -1, dtype=np.int8)
+    codes[graph._kg.rows(np.array(list(split_of), dtype=np.int64))] = [SPLIT_CODES.index(s) for s in split_of.values()]
+    # every other entity by hash: the first split whose cumulative share exceeds its number, the last split
+    # with a share taking rounding's leftover (never a split with no share)
+    rest = np.flatnonzero((codes < 0) if domain is None else (codes < 0) & domain)
+    u = np.fromiter((_unit(run_seed, "entity", e) for e in graph._kg.ids[rest].tolist()), float, len(rest))
+    cums = list(itertools.accumulate(entity_fractions[s] for s in names))  # summed in order, as a loop would
+    last = max(k for k, s in enumerate(names) if entity_fractions[s] > 0)
+    pick = np.minimum(np.searchsorted(cums, u, side="right"), last)
+    codes[rest] = np.array([SPLIT_CODES.index(s) for s in names], dtype=np.int8)[pick]
+    return SplitMap(graph, codes)
 
 
 @dataclass
@@ -381,7 +482,7 @@ def askable_relation(graph: Graph, src: int, dst: int, relation: str, max_words:
     return [d for d, r in graph.links_from.get(src, ()) if r == relation] == [dst]
 
 
-def random_walk(graph: Graph, seed: int, hops: int, rng: np.random.Generator, split_of: dict[int, str],
+def random_walk(graph: Graph, seed: int, hops: int, rng: np.random.Generator, split_of: Mapping[int, str],
                 cfg: WalkConfig, skips: Counter[str]) -> Walk | None:
     """One constrained walk of ``hops`` hops from ``seed``; None (reason counted in ``skips``) at a dead end."""
     split = split_of[seed]
