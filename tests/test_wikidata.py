@@ -42,28 +42,38 @@ def _job(name: str):
     return module
 
 
-def make_world(seed: int = 0) -> tuple[dict[str, dict], list[tuple[str, str, object]]]:
-    """Items ``{qid: {label, description}}`` and claims ``(subject, property, value)``; a literal is a dict."""
-    rng = np.random.default_rng(seed)
-    used: set[str] = set()
+class _World:
+    """A made-up world being written: items ``{qid: {label, description[, alias]}}`` with made-up names, and
+    claims ``(subject, property, value)``."""
 
-    def name() -> str:
+    def __init__(self, seed: int, aliases: bool = False) -> None:
+        self.rng, self.aliases = np.random.default_rng(seed), aliases
+        self.used: set[str] = set()
+        self.items: dict[str, dict] = {}
+        self.claims: list[tuple[str, str, object]] = []
+        self.counter = iter(range(100, 10**6))
+
+    def name(self) -> str:
         while True:
-            n = "".join(rng.choice(SYLLABLES, size=3)).capitalize()
-            if n not in used:
-                used.add(n)
+            n = "".join(self.rng.choice(SYLLABLES, size=3)).capitalize()
+            if n not in self.used:
+                self.used.add(n)
                 return n
 
-    items: dict[str, dict] = {}
-    claims: list[tuple[str, str, object]] = []
-    counter = iter(range(100, 10**6))
-
-    def item(description: str, cls: str | None = None) -> str:
-        qid = f"Q{next(counter)}"
-        items[qid] = {"label": name(), "description": description}
+    def item(self, description: str, cls: str | None = None) -> str:
+        qid = f"Q{next(self.counter)}"
+        self.items[qid] = {"label": self.name(), "description": description}
+        if self.aliases:
+            self.items[qid]["alias"] = self.name()
         if cls:
-            claims.append((qid, "P31", cls))
+            self.claims.append((qid, "P31", cls))
         return qid
+
+
+def make_world(seed: int = 0) -> tuple[dict[str, dict], list[tuple[str, str, object]]]:
+    """Items ``{qid: {label, description}}`` and claims ``(subject, property, value)``; a literal is a dict."""
+    w = _World(seed)
+    rng, items, claims, counter, item = w.rng, w.items, w.claims, w.counter, w.item
 
     def year(lo: int, hi: int) -> dict:
         y, m, d = int(rng.integers(lo, hi)), int(rng.integers(1, 13)), int(rng.integers(1, 29))
@@ -118,26 +128,8 @@ def make_item_world(seed: int = 0, n_seeds: int = 40) -> tuple[dict[str, dict], 
     skew: 8 countries, 6 occupations and 24 cities that most claims point to, Zipf-weighted (one country
     holds about a third of the cities, one occupation most of the people), 250 people, ``n_seeds`` of them
     photographed (P18). Every entity has one alias, as Wikidata's "also known as"."""
-    rng = np.random.default_rng(seed)
-    used: set[str] = set()
-
-    def name() -> str:
-        while True:
-            n = "".join(rng.choice(SYLLABLES, size=3)).capitalize()
-            if n not in used:
-                used.add(n)
-                return n
-
-    items: dict[str, dict] = {}
-    claims: list[tuple[str, str, object]] = []
-    counter = iter(range(100, 10**6))
-
-    def item(description: str, cls: str | None = None) -> str:
-        qid = f"Q{next(counter)}"
-        items[qid] = {"label": name(), "description": description, "alias": name()}
-        if cls:
-            claims.append((qid, "P31", cls))
-        return qid
+    w = _World(seed, aliases=True)
+    rng, items, claims, counter, item = w.rng, w.items, w.claims, w.counter, w.item
 
     def zipf(options: list[str]) -> str:
         w = 1.0 / np.arange(1, len(options) + 1)
