@@ -42,7 +42,6 @@ a 1 GB triples file of 2 M items builds within 2 GiB (docs/measurements.md, benc
 from __future__ import annotations
 
 import csv
-import hashlib
 import json
 import logging
 import os
@@ -60,6 +59,7 @@ import pyarrow.parquet as pq
 
 from osvl.errors import DataError
 from osvl.kg.anchors import read_licences
+from osvl.kg.compiled import name_hash
 from osvl.kg.schema import (
     ANCHORS_SCHEMA,
     ATTRIBUTE_TYPE,
@@ -284,9 +284,9 @@ def _order_ids(ids: pa.Array) -> pa.Array:
 
 
 def _value_hash(folded: list[str]) -> np.ndarray:
-    """64-bit hashes of folded values: the eligibility count compares these, not millions of Python strings."""
-    return np.array([int.from_bytes(hashlib.blake2b(v.encode(), digest_size=8).digest(), "little") for v in folded],
-                    dtype=np.uint64)
+    """64-bit hashes of folded values (the compiled graph's): the eligibility count compares these, not millions of
+    Python strings."""
+    return np.array([name_hash(v) for v in folded], dtype=np.uint64)
 
 
 class _Parts:
