@@ -371,7 +371,7 @@ def test_zero3_ranks_on_two_nodes_checkpoint_to_the_bucket_and_resume_from_it(s3
     with fs.open_input_stream(path) as f:
         marker = json.loads(f.read())
     assert marker["world"] == 2 and {f"step_000001/{f}" for f in marker["files"]} | {
-        f"step_000001/{ckpt.MARKER}"} == files
+        f"step_000001/{ckpt.MARKER}"} | {f"step_000001/{ckpt.RECEIPTS}/rank_{r}.json" for r in (0, 1)} == files
     for rank in (0, 1):
         assert {f"step_000001/ds/zero_pp_rank_{rank}_mp_rank_00_model_states.pt",
                 f"step_000001/ds/zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"} <= files
