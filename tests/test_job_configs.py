@@ -103,7 +103,7 @@ def test_sub_job_overrides_are_typed_by_the_sub_jobs_configs():
     args = ["--synth.walk.hops=2,3", "--synth.walk.hop_probs=0.5,0.5", "--sft.epochs=4", "--sft.max_len=1024",
             "--trajectories.agent.max_turns=12", "--trajectories.teacher.oracle.think=full"]
     cfg = grpo.sub_job_overrides(parse_args(GRPOConfig, JOB, []), args)
-    assert cfg.synth["walk"] == {"hops": [2, 3], "hop_probs": [0.5, 0.5]}
+    assert cfg.synth["walk"] == {"hops": [2, 3], "hop_probs": [0.5, 0.5], "entity_answers": False}
     assert cfg.synth["degrade"] == {"share": 0.0}  # the demo profile's entries stay beside the flags
     assert cfg.sft["epochs"] == 4.0 and isinstance(cfg.sft["epochs"], float) and cfg.sft["max_len"] == 1024
     assert cfg.trajectories["agent"] == {"max_turns": 12} and cfg.trajectories["max_questions"] == 1000
