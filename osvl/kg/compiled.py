@@ -47,7 +47,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from osvl.errors import DataError
-from osvl.kg.schema import ANCHORS_SCHEMA, DEFAULT_RELATION, ENTITIES_SCHEMA, LINKS_SCHEMA, fold
+from osvl.kg.schema import ANCHORS_SCHEMA, DEFAULT_RELATION, ENTITIES_SCHEMA, LINKS_SCHEMA, fold, name_hash
 from osvl.storage import cache_root
 
 VERSION = 1
@@ -63,11 +63,6 @@ ANCHOR_SCHEMA = pa.schema([("entity_id", pa.int64()), ("image", pa.string()), ("
                            ("source", pa.string()), ("licence", pa.string()), ("score", pa.float64()),
                            ("scorer", pa.string())])
 ENTITY_COLUMNS = ["id", "title", "aliases", "description", "attributes", "categories", "in_degree", "kind"]
-
-
-def name_hash(text: str) -> int:
-    """A folded string's 64-bit key in the sorted index arrays (stable across processes, unlike ``hash``)."""
-    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")
 
 
 def _pairs(pairs: list[tuple[str, str]]) -> list[dict[str, str]]:

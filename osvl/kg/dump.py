@@ -19,15 +19,13 @@ Two passes:
    A page that does not validate or that ``parse_page`` cannot handle is skipped and
    counted, never fatal; the counts live in each shard's Parquet metadata, so a rerun
    that skips finished shards still reports the totals.
-2. **Resolve (small).** Read the shards back in order: namespace-0 redirects become
+2. **Resolve (bounded).** Read the shards' titles back in order: namespace-0 redirects become
    aliases of their targets, links are resolved through the redirect table exactly as
-   ``mediawiki.load`` does (same ids, same edges), and ``write_kg`` writes the tables.
-   This pass runs on the driver and holds every article row, the title/redirect maps and
-   every edge in memory, because ``write_kg`` (the one validated writer) takes lists. That
-   is what keeps the two loaders provably identical, and it is fine up to a few million
-   edges; on the full English dump (~7 M articles, a few hundred million edges) it needs a
-   head node with well over 100 GB of RAM. A streaming writer in ``schema.py`` (or a Ray
-   Data join) would lift that; pass 1 is unaffected.
+   ``mediawiki.load`` does (same ids, same edges). The title maps are Arrow arrays (a Python
+   string lives only while it is folded); then each shard is read whole alone, its links resolved
+   against them, and written as a part that ``schema.write_kg_parts`` (``write_kg``'s rules over
+   parts) turns into the tables. No article's text or links outlive their shard, so the driver
+   holds the title maps and two degree arrays, not the dump.
 
 Resume re-streams the .bz2 from the start (a bz2 stream has no random access) but hands no
 page of a finished shard to Ray. Malformed XML (not a malformed page) stops the job with
@@ -41,21 +39,23 @@ import hashlib
 import json
 import logging
 import shutil
-import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Literal
 
+import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from osvl.config import RunConfig, input_path, opt, run_dir
 from osvl.errors import ConfigError, DataError
 from osvl.kg import wikidata
 from osvl.kg.mediawiki import iter_page_fields, page_from_fields, parse_page
-from osvl.kg.schema import fold, write_kg
+from osvl.kg.schema import ATTRIBUTE_TYPE, fold, write_kg_parts
 from osvl.logs import Progress
 from osvl.storage import atomic
 
@@ -266,45 +266,98 @@ def _report(results: list[tuple[int, dict[str, Any]]], log: Callable[[str], None
     return len(results)
 
 
-def resolve(shard_dir: Path) -> tuple[list[dict[str, Any]], list[tuple[int, int, str]], dict[str, Any]]:
-    """Pass 2: entities and links from the shards, resolved as ``mediawiki.load`` resolves them."""
+def _last_wins(keys: pa.Array, values: pa.Array) -> tuple[pa.Array, pa.Array]:
+    """A dict built in order from ``keys`` and ``values`` (a later key overwrites an earlier one), as two Arrow
+    arrays: the distinct keys, and each one's last value; looked up with ``pc.index_in``."""
+    if not len(keys):
+        return keys, values
+    rev = pa.array(np.arange(len(keys) - 1, -1, -1))
+    keys_rev = keys.take(rev)
+    distinct = pc.unique(keys_rev)  # first in reverse order: the last in order
+    return distinct, values.take(rev).take(pc.index_in(distinct, value_set=keys_rev))
+
+
+def _folded(values: list[str]) -> pa.Array:
+    cache: dict[str, str] = {}
+    return pa.array([cache[v] if v in cache else cache.setdefault(v, fold(v)) for v in values], pa.string())
+
+
+def resolve(shard_dir: Path, tmp: Path) -> tuple[list[tuple[Path, Path]], dict[str, Any], int]:
+    """Pass 2: entities and links from the shards, resolved as ``mediawiki.load`` resolves them, written as
+    ``write_kg_parts`` parts (one per shard, an article's id its place among the articles) into ``tmp``;
+    returns the parts, the totals and the number of aliases.
+
+    First the titles alone (the article titles, the redirect table, the aliases: Arrow arrays, a Python
+    string only while it is folded); then each shard alone, its links resolved against those arrays, so
+    no article's text or links outlive their shard.
+    """
     paths = sorted(shard_dir.glob("[0-9]*.parquet"), key=lambda p: int(p.stem))
     ks = [int(p.stem) for p in paths]
     if ks != list(range(len(ks))):
         raise DataError(f"{shard_dir}: shards {sorted(set(range(max(ks, default=-1) + 1)) - set(ks))} are missing")
     totals: dict[str, Any] = {"shards": len(paths), "pages": 0, "articles": 0, "redirects": 0, "other_ns": 0,
                               "bad": 0, "bad_examples": []}
-    rows: list[dict[str, Any]] = []
-    redirects: dict[str, str] = {}  # folded redirect title -> target title (last one wins, as in load)
-    redirect_titles: list[str] = []
+    title_keys, alias_titles, alias_keys, redirect_targets = [], [], [], []
     for path in paths:
         stats = read_stats(path)
         for key in ("pages", "articles", "redirects", "other_ns", "bad"):
             totals[key] += stats[key]
         totals["bad_examples"] += stats["bad_examples"][: MAX_BAD_EXAMPLES - len(totals["bad_examples"])]
-        for row in pq.read_table(path).to_pylist():
-            if row["redirect"]:
-                redirects[fold(row["title"])] = row["redirect"]
-                redirect_titles.append(row["title"])
-            else:
-                rows.append(row)
-    ids = {fold(r["title"]): i for i, r in enumerate(rows)}
-    entities = [{"id": i, "title": r["title"], "aliases": [], "description": "", "text": r["text"],
-                 "attributes": r["attributes"], "images": r["images"], "categories": r["categories"],
-                 "kind": r["kind"], "origin": "mediawiki"} for i, r in enumerate(rows)]
-    for alias in redirect_titles:
-        target = fold(redirects[fold(alias)])
-        if target in ids:
-            entities[ids[target]]["aliases"].append(alias)
-    links: list[tuple[int, int, str]] = []
-    for i, r in enumerate(rows):
-        for link in r["links"]:
-            k = fold(link["target"])
-            k = fold(redirects.get(k, link["target"])) if k not in ids else k  # one hop, as MediaWiki does
-            if k in ids and ids[k] != i:
-                links.append((i, ids[k], sys.intern(link["relation"])))  # a few hundred keys, shared
-        r.clear()  # the parsed row is no longer needed once its links are resolved
-    return entities, links, totals
+        t = pq.read_table(path, columns=["title", "redirect"])
+        is_redirect = pc.fill_null(pc.not_equal(t.column("redirect"), ""), False)
+        arts, reds = t.filter(pc.invert(is_redirect)), t.filter(is_redirect)
+        title_keys.append(_folded(arts.column("title").to_pylist()))
+        alias_titles.append(reds.column("title").combine_chunks())
+        alias_keys.append(_folded(reds.column("title").to_pylist()))
+        redirect_targets.append(reds.column("redirect").combine_chunks())
+    concat = (lambda parts: pa.concat_arrays(parts) if parts else pa.array([], pa.string()))  # noqa: E731
+    article_keys = concat(title_keys)
+    id_keys, id_of = _last_wins(article_keys, pa.array(np.arange(len(article_keys)), pa.int64()))
+    red_keys, red_target = _last_wins(concat(alias_keys), concat(redirect_targets))
+    # every redirect title is an alias of the article its (last) target names
+    alias_titles_all, alias_keys_all = concat(alias_titles), concat(alias_keys)
+    target = _folded(pc.take(red_target, pc.index_in(alias_keys_all, value_set=red_keys)).to_pylist())
+    alias_owner = pc.take(id_of, pc.index_in(target, value_set=id_keys))
+    aliases = pa.table({"src": alias_owner, "k": pa.array(np.arange(len(alias_owner))), "alias": alias_titles_all})
+    aliases = aliases.filter(pc.is_valid(alias_owner)).sort_by([("src", "ascending"), ("k", "ascending")])
+    alias_src = aliases.column("src").to_numpy()
+    del title_keys, alias_titles, alias_keys, redirect_targets, target, alias_owner
+
+    parts, lo = [], 0
+    for k, path in enumerate(paths):
+        t = pq.read_table(path)
+        t = t.filter(pc.invert(pc.fill_null(pc.not_equal(t.column("redirect"), ""), False)))
+        n = t.num_rows
+        a, b = np.searchsorted(alias_src, [lo, lo + n])
+        own = aliases.slice(a, b - a)
+        offsets = np.searchsorted(own.column("src").to_numpy(), np.arange(lo, lo + n + 1)).astype(np.int32)
+        attrs = t.column("attributes").combine_chunks()
+        flat = attrs.flatten()
+        attr = pa.StructArray.from_arrays([pc.struct_field(flat, f) for f in ("key", "value", "source")]
+                                          + [pa.nulls(len(flat), pa.bool_())], fields=list(ATTRIBUTE_TYPE))
+        ent = pa.table({"id": pa.array(np.arange(lo, lo + n), pa.int64()), "title": t.column("title"),
+                        "aliases": pa.ListArray.from_arrays(pa.array(offsets), own.column("alias").combine_chunks()),
+                        "description": pa.array([""] * n), "text": t.column("text"),
+                        "attributes": pa.ListArray.from_arrays(attrs.offsets, attr), "images": t.column("images"),
+                        "categories": t.column("categories"), "in_degree": pa.array(np.zeros(n, np.int32)),
+                        "out_degree": pa.array(np.zeros(n, np.int32)), "kind": t.column("kind"),
+                        "origin": pa.array(["mediawiki"] * n)})
+        links = t.column("links").combine_chunks()
+        flat = links.flatten()
+        src = pc.add(pc.list_parent_indices(links), lo).cast(pa.int64())
+        key = _folded(pc.struct_field(flat, "target").to_pylist())
+        direct = pc.index_in(key, value_set=id_keys)
+        # not an article's title: one redirect hop, as MediaWiki does (and mediawiki.load)
+        hop = _folded(pc.fill_null(pc.take(red_target, pc.index_in(key, value_set=red_keys)), "").to_pylist())
+        dst = pc.take(id_of, pc.coalesce(direct, pc.index_in(hop, value_set=id_keys)))
+        lk = pa.table({"src": src, "dst": dst, "relation": pc.struct_field(flat, "relation")})
+        lk = lk.filter(pc.and_(pc.is_valid(dst), pc.not_equal(src, dst)))
+        ent_file, link_file = tmp / f"entities-{k:06d}.parquet", tmp / f"links-{k:06d}.parquet"
+        pq.write_table(ent, ent_file)
+        pq.write_table(lk, link_file)
+        parts.append((ent_file, link_file))
+        lo += n
+    return parts, totals, aliases.num_rows
 
 
 def _copy_out(kg_dir: Path, out_dir: str) -> None:
@@ -349,9 +402,10 @@ def run(cfg: BuildKGConfig, *, log: Callable[[str], None] = logger.info) -> tupl
     init_ray()
     parsed = parse_dump(path, shard_dir, cfg.shard_pages, cfg.workers, log)
     t1 = time.perf_counter()
-    entities, links, totals = resolve(shard_dir)
-    counts = write_kg(kg_dir, entities, links)
-    report = {**totals, "parsed_this_run": parsed, **counts, "aliases": sum(len(e["aliases"]) for e in entities),
+    with tempfile.TemporaryDirectory(dir=out, prefix=".resolve-") as tmp:
+        parts, totals, n_aliases = resolve(shard_dir, Path(tmp))
+        counts = write_kg_parts(kg_dir, parts)
+    report = {**totals, "parsed_this_run": parsed, **counts, "aliases": n_aliases,
               "parse_seconds": round(t1 - t0, 1), "resolve_seconds": round(time.perf_counter() - t1, 1)}
     (out / "counts.json").write_text(json.dumps(report, indent=1))
     _copy_out(kg_dir, cfg.out_dir)

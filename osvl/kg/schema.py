@@ -48,6 +48,8 @@ builder, not stored, so that a consumer never has to remember to filter.
 
 from __future__ import annotations
 
+import hashlib
+import os
 import re
 import unicodedata
 from collections.abc import Iterable
@@ -55,7 +57,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from osvl.errors import DataError
@@ -260,6 +264,102 @@ def write_kg(
         "anchors": len(anchors or []),
         "eligible_attributes": sum(a["eligible"] for r in rows for a in r["attributes"]),
     }
+
+
+def name_hash(text: str) -> int:
+    """A folded string's 64-bit key (stable across processes, unlike ``hash``): the compiled graph's name and value
+    indexes and ``write_kg_parts``' eligibility count compare these, not millions of Python strings."""
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")
+
+
+def _folded_hashes(values: list[str]) -> tuple[list[str], np.ndarray]:
+    folded: dict[str, str] = {}
+    out = [folded[v] if v in folded else folded.setdefault(v, fold(v)) for v in values]
+    return out, np.array([name_hash(f) for f in out], dtype=np.uint64)
+
+
+def write_kg_parts(root: str | Path, parts: list[tuple[Path, Path]],
+                   anchors: list[dict[str, Any]] | None = None) -> dict[str, int]:
+    """``write_kg`` for a KG too large to hold whole: the same rules and the same files, from parts read one at a time.
+
+    ``parts``: (entities file, links file) pairs in id order. An entities file holds ``ENTITIES_SCHEMA`` rows
+    (degrees are ignored; an attribute's ``eligible`` false means never an answer, null means by the rules)
+    whose ids continue the previous part's from 0; its links file (``LINKS_SCHEMA``, may be missing) the links
+    leaving those entities, in order. Two passes: the first writes the links (one of each (src, dst,
+    relation), no self-link) and counts the degrees (over distinct (src, dst) pairs) and how many entities
+    hold each folded attribute value (by 64-bit hash); the second writes the entities with their degrees and
+    eligibility. What stays whole: two degree arrays and the value hashes.
+    """
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    n = sum(pq.ParquetFile(e).metadata.num_rows for e, _ in parts)
+    indeg, outdeg = np.zeros(n, np.int32), np.zeros(n, np.int32)
+    held: list[np.ndarray] = []
+    n_links = n_eligible = lo = 0
+    with pq.ParquetWriter(root / ".links.parquet.tmp", LINKS_SCHEMA, compression="zstd") as lw:
+        for ents_path, links_path in parts:
+            ents = pq.read_table(ents_path, columns=["id", "attributes"])
+            ids = ents.column("id").to_numpy()
+            if not np.array_equal(ids, np.arange(lo, lo + len(ids))):
+                raise DataError(f"{ents_path}: entity ids are not unique and contiguous from {lo}")
+            if links_path.is_file():
+                lk = pq.read_table(links_path).cast(LINKS_SCHEMA)
+                s_, d_ = lk.column("src").to_numpy(), lk.column("dst").to_numpy()
+                if len(s_) and (s_.min() < lo or s_.max() >= lo + len(ids) or d_.min() < 0 or d_.max() >= n):
+                    raise DataError(f"{links_path}: a link names an unknown entity")
+                seen: set[tuple[int, int, str]] = set()
+                keep = []
+                for j, key in enumerate(zip(s_.tolist(), d_.tolist(), lk.column("relation").to_pylist(), strict=True)):
+                    if key[0] != key[1] and key not in seen:
+                        seen.add(key)
+                        keep.append(j)
+                lk = lk.take(pa.array(keep, pa.int64()))
+                lw.write_table(lk)
+                n_links += lk.num_rows
+                pairs = np.unique(lk.column("src").to_numpy() * max(n, 1) + lk.column("dst").to_numpy())
+                np.add.at(outdeg, pairs // max(n, 1), 1)
+                np.add.at(indeg, pairs % max(n, 1), 1)
+            attrs = pc.list_flatten(ents.column("attributes"))
+            if len(attrs):
+                _, h = _folded_hashes(pc.struct_field(attrs, "value").to_pylist())
+                owner = pc.list_parent_indices(ents.column("attributes")).to_numpy().astype(np.uint64)
+                held.append(np.unique(np.stack([owner, h], axis=1), axis=0)[:, 1])
+            lo += len(ids)
+    hashes, holders = np.unique(np.concatenate(held), return_counts=True) if held else (
+        np.zeros(0, np.uint64), np.zeros(0, np.int64))
+    ok_hashes = hashes[holders <= max(1, int(MAX_SHARED_FRACTION * n))]
+    with pq.ParquetWriter(root / ".entities.parquet.tmp", ENTITIES_SCHEMA, compression="zstd") as ew:
+        for ents_path, _ in parts:
+            t = pq.read_table(ents_path).select(ENTITIES_SCHEMA.names)
+            kinds, origins = set(t.column("kind").to_pylist()), set(t.column("origin").to_pylist())
+            if kinds - set(KINDS) or origins - set(ORIGINS):
+                raise DataError(f"{ents_path}: kind {sorted(kinds - set(KINDS))} or origin "
+                                f"{sorted(origins - set(ORIGINS))} not in {KINDS} / {ORIGINS}")
+            lists = t.column("attributes").combine_chunks()
+            attrs = lists.flatten()
+            folded, h = _folded_hashes(pc.struct_field(attrs, "value").to_pylist())
+            owner = pc.list_parent_indices(lists).to_numpy()
+            article = np.asarray(pc.equal(t.column("kind"), "article").to_numpy(zero_copy_only=False))
+            given = pc.struct_field(attrs, "eligible").to_numpy(zero_copy_only=False)
+            ok = (np.isin(h, ok_hashes) & np.array([bool(f) and len(f.split()) <= MAX_ANSWER_WORDS for f in folded],
+                                                    dtype=bool)
+                  & (article[owner] if len(owner) else np.zeros(0, bool)) & (given != False))  # noqa: E712 - null: by the rules
+            n_eligible += int(ok.sum())
+            attrs = pa.StructArray.from_arrays([pc.struct_field(attrs, k) for k in ("key", "value", "source")]
+                                               + [pa.array(ok, pa.bool_())], fields=list(ATTRIBUTE_TYPE))
+            a, b = t.column("id")[0].as_py() if t.num_rows else 0, t.num_rows
+            t = t.set_column(t.schema.get_field_index("attributes"), "attributes",
+                             pa.ListArray.from_arrays(lists.offsets, attrs))
+            t = t.set_column(t.schema.get_field_index("in_degree"), "in_degree", pa.array(indeg[a:a + b]))
+            t = t.set_column(t.schema.get_field_index("out_degree"), "out_degree", pa.array(outdeg[a:a + b]))
+            ew.write_table(t.cast(ENTITIES_SCHEMA))
+    anc = pa.Table.from_pylist(anchors or [], schema=ANCHORS_SCHEMA)
+    if anc.num_rows and (pc.min(anc.column("entity_id")).as_py() < 0 or pc.max(anc.column("entity_id")).as_py() >= n):
+        raise DataError("an anchor names an unknown entity")
+    pq.write_table(anc, root / ".anchors.parquet.tmp", compression="zstd")
+    for name in ("entities", "links", "anchors"):
+        os.replace(root / f".{name}.parquet.tmp", root / f"{name}.parquet")
+    return {"entities": n, "links": n_links, "anchors": anc.num_rows, "eligible_attributes": n_eligible}
 
 
 def load_kg(root: str | Path | None = None) -> KG:

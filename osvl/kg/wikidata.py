@@ -44,7 +44,6 @@ from __future__ import annotations
 import csv
 import json
 import logging
-import os
 import re
 import shutil
 from collections import Counter
@@ -59,16 +58,7 @@ import pyarrow.parquet as pq
 
 from osvl.errors import DataError
 from osvl.kg.anchors import read_licences
-from osvl.kg.compiled import name_hash
-from osvl.kg.schema import (
-    ANCHORS_SCHEMA,
-    ATTRIBUTE_TYPE,
-    ENTITIES_SCHEMA,
-    LINKS_SCHEMA,
-    MAX_ANSWER_WORDS,
-    MAX_SHARED_FRACTION,
-    fold,
-)
+from osvl.kg.schema import ATTRIBUTE_TYPE, ENTITIES_SCHEMA, LINKS_SCHEMA, write_kg_parts
 
 logger = logging.getLogger(__name__)
 
@@ -283,12 +273,6 @@ def _order_ids(ids: pa.Array) -> pa.Array:
     return t.take(pc.sort_indices(t, [("n", "ascending"), ("id", "ascending")])).column("id").combine_chunks()
 
 
-def _value_hash(folded: list[str]) -> np.ndarray:
-    """64-bit hashes of folded values (the compiled graph's): the eligibility count compares these, not millions of
-    Python strings."""
-    return np.array([name_hash(v) for v in folded], dtype=np.uint64)
-
-
 class _Parts:
     """Rows of one kind (links, attributes, ...) written to parquet files by entity-id range, so each range is
     read back alone (bounded memory) when its entities are assembled."""
@@ -393,78 +377,27 @@ def _claims(parsed: pq.ParquetFile, fmt: str, ids: pa.Array, label_of: pa.Array,
                                       .append_column("never", pa.array([never] * rows.num_rows, pa.bool_())))
 
 
-def _degrees_and_holders(parts: dict[str, _Parts], n: int, n_parts: int) -> tuple[np.ndarray, np.ndarray,
-                                                                                  np.ndarray, np.ndarray]:
-    """In- and out-degrees over distinct (src, dst) pairs without self-links, and for each folded attribute
-    value (by 64-bit hash, sorted) how many entities hold it: ``write_kg``'s rules, a range at a time."""
-    indeg, outdeg = np.zeros(n, np.int32), np.zeros(n, np.int32)
-    held = []
-    for k in range(n_parts):
-        lk = parts["links"].peek(k)
-        if lk is not None:
-            pairs = np.unique(lk.column("src").to_numpy().astype(np.int64) * n + lk.column("dst").to_numpy())
-            s_, d_ = pairs // n, pairs % n
-            np.add.at(outdeg, s_[s_ != d_], 1)
-            np.add.at(indeg, d_[s_ != d_], 1)
-        at = parts["attributes"].peek(k)
-        if at is not None:
-            h = _value_hash(_folded(at.column("text")))
-            held.append(np.unique(np.stack([at.column("src").to_numpy().astype(np.uint64), h], axis=1), axis=0)[:, 1])
-    hashes, holders = np.unique(np.concatenate(held), return_counts=True) if held else (
-        np.zeros(0, np.uint64), np.zeros(0, np.int64))
-    return indeg, outdeg, hashes, holders
-
-
-def _folded(values: pa.ChunkedArray) -> list[str]:
-    fold_of = {v: fold(v) for v in pc.unique(values).to_pylist()}
-    return [fold_of[v] for v in values.to_pylist()]
-
-
-def _entity_table(parts: dict[str, _Parts], k: int, lo: int, hi: int, cols: dict[str, pa.Array],
-                  deg: tuple[np.ndarray, np.ndarray], eligible_hashes: np.ndarray) -> tuple[pa.Table, int]:
-    """Entities ``lo .. hi - 1`` as ``ENTITIES_SCHEMA`` rows, and how many of their attributes are eligible."""
-    kind = cols["kind"][lo:hi]
+def _entity_part(parts: dict[str, _Parts], k: int, lo: int, hi: int, cols: dict[str, pa.Array]) -> pa.Table:
+    """Entities ``lo .. hi - 1`` for ``write_kg_parts``: an item claim shown on the page is never an answer string
+    (``eligible`` false); a literal's eligibility is the writer's rule (null)."""
     at = parts["attributes"].read(k)
-    n_eligible = 0
     if at is not None:
-        folded = _folded(at.column("text"))
-        h = _value_hash(folded)
-        ok = np.isin(h, eligible_hashes) & np.array([bool(f) and len(f.split()) <= MAX_ANSWER_WORDS for f in folded])
-        ok &= ~at.column("never").to_numpy(zero_copy_only=False)
-        article = pc.equal(pc.take(kind, pc.subtract(at.column("src"), lo)), "article")
-        ok &= article.to_numpy(zero_copy_only=False)
-        n_eligible = int(ok.sum())
+        never = at.column("never").to_numpy(zero_copy_only=False)
         attr = pa.StructArray.from_arrays([at.column("key").combine_chunks(), at.column("text").combine_chunks(),
-                                           at.column("source").combine_chunks(), pa.array(ok)],
+                                           at.column("source").combine_chunks(),
+                                           pa.array([False if x else None for x in never.tolist()], pa.bool_())],
                                           fields=list(ATTRIBUTE_TYPE))
         at = at.drop_columns(["key", "text", "source", "never"]).append_column("attr", attr)
     aliases = [[a for a in (al or []) if a] for al in cols["aliases"][lo:hi].to_pylist()]
-    table = pa.table({
+    zeros = pa.array(np.zeros(hi - lo, np.int32))
+    return pa.table({
         "id": pa.array(np.arange(lo, hi), pa.int64()), "title": cols["title"][lo:hi],
         "aliases": pa.array(aliases, pa.list_(pa.string())), "description": cols["description"][lo:hi],
         "text": cols["description"][lo:hi], "attributes": _lists(at, lo, hi - lo, "attr", ATTRIBUTE_TYPE),
         "images": _lists(parts["images"].peek(k), lo, hi - lo, "value", pa.string()),
         "categories": _lists(parts["categories"].read(k), lo, hi - lo, "category", pa.string()),
-        "in_degree": pa.array(deg[0][lo:hi]), "out_degree": pa.array(deg[1][lo:hi]), "kind": kind,
+        "in_degree": zeros, "out_degree": zeros, "kind": cols["kind"][lo:hi],
         "origin": pa.array(["wikidata"] * (hi - lo))}, schema=ENTITIES_SCHEMA)
-    return table, n_eligible
-
-
-def _links_table(lk: pa.Table) -> pa.Table:
-    """A range's links in claim order, one of each (src, dst, relation), no self-link (``write_kg``'s rules)."""
-    order = [c for c in lk.column_names if c not in ("src", "dst", "rel")]
-    lk = lk.sort_by([("src", "ascending"), *((c, "ascending") for c in order)])
-    seen: set[tuple[int, int, str]] = set()
-    keep = []
-    triples = zip(lk.column("src").to_pylist(), lk.column("dst").to_pylist(), lk.column("rel").to_pylist(),
-                  strict=True)
-    for j, key in enumerate(triples):
-        if key[0] != key[1] and key not in seen:
-            seen.add(key)
-            keep.append(j)
-    lk = lk.take(pa.array(keep, pa.int64()))
-    return pa.table({"src": lk.column("src").cast(pa.int64()), "dst": lk.column("dst").cast(pa.int64()),
-                     "relation": lk.column("rel")}, schema=LINKS_SCHEMA)
 
 
 def build(path: Path, fmt: str, kg_dir: Path, *, labels: Path | None = None, images_dir: Path | None = None,
@@ -560,40 +493,32 @@ def build(path: Path, fmt: str, kg_dir: Path, *, labels: Path | None = None, ima
         _claims(parsed, fmt, ids, label_of, prop_label, parts, counts)
         for part in parts.values():
             part.close()
-        indeg, outdeg, hashes, holders = _degrees_and_holders(parts, n, n_parts)
-        eligible_hashes = hashes[holders <= max(1, int(MAX_SHARED_FRACTION * n))]
-
         licences = read_licences(images_dir) if images_dir else {}
         if images_dir is not None and kg_dir.joinpath("images").is_dir():
             shutil.rmtree(kg_dir / "images")  # a rebuild must not keep photos of a former input
         anchors: list[dict[str, Any]] = []
-        n_links = n_eligible = 0
-        with pq.ParquetWriter(tmp / "entities.parquet", ENTITIES_SCHEMA, compression="zstd") as ew, \
-                pq.ParquetWriter(tmp / "links.parquet", LINKS_SCHEMA, compression="zstd") as lw:
-            for k in range(n_parts):
-                lo, hi = k * span, min(n, (k + 1) * span)
-                lk = parts["links"].read(k)
-                if lk is not None:
-                    links = _links_table(lk)
-                    lw.write_table(links)
-                    n_links += links.num_rows
-                imgs = parts["images"].peek(k)
-                table, eligible = _entity_table(parts, k, lo, hi, cols, (indeg, outdeg), eligible_hashes)
-                ew.write_table(table)
-                n_eligible += eligible
-                for i, name in zip(imgs.column("src").to_pylist() if imgs is not None and images_dir else [],
-                                   imgs.column("value").to_pylist() if imgs is not None and images_dir else [],
-                                   strict=True):
-                    a = _anchor(images_dir, kg_dir, i, name, cols["title"][i].as_py(), description[i].as_py(),
-                                licences)
-                    if a is not None:
-                        anchors.append(a)
-        pq.write_table(pa.Table.from_pylist(anchors, schema=ANCHORS_SCHEMA), tmp / "anchors.parquet",
-                       compression="zstd")
-        for name in ("entities.parquet", "links.parquet", "anchors.parquet"):
-            os.replace(tmp / name, kg_dir / name)
-    return {"entities": n, "links": n_links, "anchors": len(anchors), "eligible_attributes": n_eligible,
-            "bad_lines": len(bad), "bad_examples": bad.slice(0, 5).to_pylist(), **dict(counts)}
+        written = []  # (entities, links) part files in id order, for the writer's two passes
+        for k in range(n_parts):
+            lo, hi = k * span, min(n, (k + 1) * span)
+            ent_file, link_file = tmp / f"entities-{k:06d}.parquet", tmp / f"links-{k:06d}.parquet"
+            lk = parts["links"].read(k)
+            if lk is not None:  # in claim order; the writer keeps one of each (src, dst, relation)
+                order = [c for c in lk.column_names if c not in ("src", "dst", "rel")]
+                lk = lk.sort_by([("src", "ascending"), *((c, "ascending") for c in order)])
+                pq.write_table(pa.table({"src": lk.column("src").cast(pa.int64()),
+                                         "dst": lk.column("dst").cast(pa.int64()), "relation": lk.column("rel")},
+                                        schema=LINKS_SCHEMA), link_file)
+            imgs = parts["images"].peek(k)
+            pq.write_table(_entity_part(parts, k, lo, hi, cols), ent_file)
+            written.append((ent_file, link_file))
+            for i, name in zip(imgs.column("src").to_pylist() if imgs is not None and images_dir else [],
+                               imgs.column("value").to_pylist() if imgs is not None and images_dir else [],
+                               strict=True):
+                a = _anchor(images_dir, kg_dir, i, name, cols["title"][i].as_py(), description[i].as_py(), licences)
+                if a is not None:
+                    anchors.append(a)
+        report = write_kg_parts(kg_dir, written, anchors)
+    return {**report, "bad_lines": len(bad), "bad_examples": bad.slice(0, 5).to_pylist(), **dict(counts)}
 
 
 def _anchor(images_dir: Path, kg_dir: Path, eid: int, name: str, title: str, description: str,
