@@ -8,20 +8,25 @@ node's memory follows the KG, not its worker count. It can also be built from pl
 row dicts, which is how unit tests make graphs of a dozen entities.
 
 A walk starts at a *seed* (an entity with a grounded anchor image), takes ``h``
-hops along out-links and ends at an entity with an answerable attribute. The
-constraints and why:
+hops along out-links and ends at an entity with an answerable attribute, or (an *entity
+answer*, ``walk.entity_answers``) at the entity its last relation points to: "the country of
+...", answered with that entity's name and aliases. The constraints and why:
 
 - hubs (in-degree above a threshold) are skipped: "the country linked from the
   article on X" is never a unique referent when X links to 200 countries, and
   hub paths make every question look alike;
 - list, index and disambiguation pages are skipped: they are not things;
 - no entity twice (no cycles): a question that returns to its start is trivial;
-- every entity of the walk belongs to the seed's split (``assign_splits``), which
+- every entity of the walk belongs to the seed's split (``assign_splits``; an asked entity, a value
+  like an attribute's, may be in any), which
   is how "no path entity in two splits" holds by construction while shards run
   independently (a seed's sparse neighbourhood, up to the walk depth, joins its split);
 - the last hop only goes to entities with an eligible answer attribute, and the
   attribute is drawn with weight 1 / (how many entities share that value), so
-  that frequent values ("Animalia", "English") do not swamp the answers.
+  that frequent values ("Animalia", "English") do not swamp the answers;
+- an entity answer needs a relation that is a fact (not ``linked_to`` nor a type), with one target from
+  the entity before it (``askable_relation``: "the occupation of" a person with three has no answer), and
+  at least one hop before it, so the answer is read off a page the question describes.
 """
 
 from __future__ import annotations
