@@ -376,6 +376,7 @@ def test_item_valued_claims_yield_entity_answers_with_their_aliases(ray_cluster,
     assert f"each answer kept at most {relaxed} questions" in (out / "data_card.md").read_text()
 
 
+@pytest.mark.slow
 def test_build_in_small_pieces_writes_the_same_kg(ray_cluster, tmp_path, monkeypatch):
     """The bounded-memory build (byte ranges parsed by separate tasks, entities assembled a range of ids at a
     time) gives the same tables as one piece: ranges of 97 bytes split lines everywhere, ranges of 7
