@@ -55,7 +55,7 @@ from osvl.config import RunConfig, input_path, opt, run_dir
 from osvl.errors import ConfigError, DataError
 from osvl.kg import wikidata
 from osvl.kg.mediawiki import iter_page_fields, page_from_fields, parse_page
-from osvl.kg.schema import ATTRIBUTE_TYPE, fold, write_kg_parts
+from osvl.kg.schema import ATTRIBUTE_TYPE, fold_all, write_kg_parts
 from osvl.logs import Progress
 from osvl.storage import atomic
 
@@ -278,8 +278,7 @@ def _last_wins(keys: pa.Array, values: pa.Array) -> tuple[pa.Array, pa.Array]:
 
 
 def _folded(values: list[str]) -> pa.Array:
-    cache: dict[str, str] = {}
-    return pa.array([cache[v] if v in cache else cache.setdefault(v, fold(v)) for v in values], pa.string())
+    return pa.array(fold_all(values), pa.string())
 
 
 def resolve(shard_dir: Path, tmp: Path) -> tuple[list[tuple[Path, Path]], dict[str, Any], int]:

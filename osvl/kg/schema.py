@@ -272,9 +272,14 @@ def name_hash(text: str) -> int:
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")
 
 
-def _folded_hashes(values: list[str]) -> tuple[list[str], np.ndarray]:
+def fold_all(values: list[str]) -> list[str]:
+    """``fold`` of each value, each distinct value folded once (a KG repeats its values many times)."""
     folded: dict[str, str] = {}
-    out = [folded[v] if v in folded else folded.setdefault(v, fold(v)) for v in values]
+    return [folded[v] if v in folded else folded.setdefault(v, fold(v)) for v in values]
+
+
+def _folded_hashes(values: list[str]) -> tuple[list[str], np.ndarray]:
+    out = fold_all(values)
     return out, np.array([name_hash(f) for f in out], dtype=np.uint64)
 
 
