@@ -30,6 +30,14 @@ meets the same outages in every mode. Held-out Pass@1 is measured without them.
     .venv/bin/python bench/ablation.py [--steps=25] [--seeds=3] [--modes=vanilla,fatal_mask_clamp]
                                        [--outages=0.3] [--scripted] [--section.key=value ...]
 
+The outage run docs/measurements.md reports ("The four modes with tool outages") was fixed in this
+docstring and committed before it ran, after ``make demo`` in the same clone (so ``prepare`` reuses the
+demo's SFT'd policy): the demo profile as committed (no planted teacher behaviour, the process filter on),
+outages at the controlled experiment's rate, 5 seeds, 20 steps and 200 held-out questions so that the 20
+runs fit 150 minutes on the 2 cores::
+
+    .venv/bin/python bench/ablation.py --outages=0.3 --seeds=5 --steps=20 --eval.n_heldout=200
+
 25 steps by default, not the demo's 40: 12 runs of 40 steps do not fit the 120 minutes the
 benchmark is given on a 2-core machine (README, "Fatal-aware asynchronous GRPO", has the timings).
 
