@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 from osvl.agent.engines import EngineKind  # noqa: E402
 from osvl.agent.loop import AgentConfig  # noqa: E402
-from osvl.config import opt  # noqa: E402
+from osvl.config import cli, opt  # noqa: E402
 from osvl.errors import ConfigError  # noqa: E402
 from osvl.logs import start_job  # noqa: E402
 
@@ -129,20 +129,9 @@ async def ask(cfg: AskConfig) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    joined = []  # accept "--key value" as well as the house style "--key=value"
-    i = 0
-    while i < len(argv):
-        arg = argv[i]
-        if arg.startswith("--") and "=" not in arg and arg not in ("--help", "-h") and i + 1 < len(argv):
-            joined.append(f"{arg}={argv[i + 1]}")
-            i += 2
-        else:
-            joined.append(arg)
-            i += 1
-    cfg = start_job(AskConfig, JOB, joined)
+    cfg = start_job(AskConfig, JOB, argv)
     print(asyncio.run(ask(cfg)), flush=True)
 
 
 if __name__ == "__main__":
-    main()
+    cli(main)

@@ -18,6 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from osvl.config import cli  # noqa: E402
 from osvl.eval.job import JOB, EvalConfig, run  # noqa: E402
 from osvl.logs import start_job  # noqa: E402
 
@@ -31,4 +32,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    cli(main)

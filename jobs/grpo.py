@@ -19,12 +19,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
+from osvl.config import cli, normalize_args  # noqa: E402
 from osvl.logs import start_job  # noqa: E402
 from osvl.rl.job import JOB, GRPOConfig, run  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = list(sys.argv[1:] if argv is None else argv)
+    # "--check DIR" and "--check=DIR" name the model; a lone "--check" (read as "--check=true") plans without one
+    args = ["--check" if a == "--check=true" else a for a in normalize_args(list(sys.argv[1:] if argv is None
+                                                                                 else argv))]
     check = [a for a in args if a == "--check" or a.startswith(("--check=", "--cluster=", "--gpu_memory_gb="))]
     if any(a.startswith("--check") for a in check):  # the plan only (osvl/rl/plan.py): nothing starts
         from osvl.config import parse_args
@@ -104,4 +107,4 @@ def _num(x: float | None, se: float | None = None) -> str:
 
 
 if __name__ == "__main__":
-    main()
+    cli(main)

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
+from osvl.config import cli  # noqa: E402
 from osvl.errors import ConfigError  # noqa: E402
 from osvl.logs import start_job  # noqa: E402
 from osvl.models.pretrain import BASE_KIND, JOB, PretrainConfig, corpus_rows, export, train, turns_text  # noqa: E402
@@ -116,4 +117,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    cli(main)

@@ -17,6 +17,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from osvl.config import cli  # noqa: E402
 from osvl.logs import start_job  # noqa: E402
 from osvl.train.sft import JOB, SftConfig, run  # noqa: E402
 
@@ -29,4 +30,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    cli(main)

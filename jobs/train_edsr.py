@@ -32,7 +32,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from osvl.config import RunConfig, input_path, opt, run_dir  # noqa: E402
+from osvl.config import RunConfig, cli, input_path, opt, run_dir  # noqa: E402
 from osvl.errors import ConfigError, DataError  # noqa: E402
 from osvl.logs import setup, start_job  # noqa: E402
 
@@ -257,4 +257,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    cli(main)

@@ -14,6 +14,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
+from osvl.config import cli  # noqa: E402
 from osvl.logs import start_job  # noqa: E402
 from osvl.synth.expert import JOB, TrajConfig, run  # noqa: E402
 
@@ -24,4 +25,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    cli(main)

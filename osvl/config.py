@@ -330,19 +330,22 @@ def profile_path(job: str, profile: str) -> Path:
     return path
 
 
-def format_help(cls: type, job: str = "", prefix: str = "", defaults: Any = None, usage: str = "") -> str:
-    """Every field with its type, default and doc: what ``--help`` prints.
+def format_help(cls: type, job: str = "", prefix: str = "", defaults: Any = None, usage: str = "",
+                profile: str = "") -> str:
+    """Every field with its type, value and doc: what ``--help`` prints.
 
-    Defaults are read from an instance (``defaults``, else ``cls()``) rather than from the
-    class fields, so a section embedded with non-default values shows what a run gets.
+    Values are read from an instance (``defaults``, else ``cls()``) rather than from the class
+    fields, so help shows what a run with the selected profile (and any overrides) gets.
     """
     lines = []
     if not prefix:
-        lines.append(usage or f"usage: python jobs/{job}.py [--profile=NAME|FILE.yaml] "
-                              "[--log_level=debug|info|warning|error] [--section.key=value ...]")
+        lines.append(usage or f"usage: python jobs/{job}.py [--profile=NAME|FILE.yaml] [--print_config] "
+                              "[--log_level=debug|info|warning|error] [--section.key=value | --section.key value ...]")
         profiles = sorted(x.stem for x in (CONFIG_DIR / job).glob("*.yaml")) if job else []
         if profiles:
             lines.append(f"profiles: {', '.join(profiles)} (default: demo)")
+        if profile:
+            lines.append(f"values below: profile {profile!r} over the defaults, then the overrides given")
         lines.append("")
     obj = cls() if defaults is None else defaults
     for name, (f, tp) in _fields(cls).items():
@@ -398,19 +401,40 @@ def run_dir(cfg: Any, job: str) -> Path:
     return path
 
 
+BARE_FLAGS = frozenset({"help", "print_config"})  # flags that never take a value
+
+
+def normalize_args(argv: Sequence[str], bare: frozenset[str] | set[str] = BARE_FLAGS) -> list[str]:
+    """Command-line arguments as ``--key=value``: ``--key value`` joined, a lone ``--key`` (a bool) read as
+    ``--key=true``, ``-h`` as ``--help``. Keys in ``bare`` stay as they are (``--help``, ``--print_config``)."""
+    out, i = [], 0
+    while i < len(argv):
+        arg = "--help" if argv[i] == "-h" else argv[i]
+        key = arg[2:]
+        if not arg.startswith("--") or "=" in arg or key in bare:
+            out.append(arg)
+        elif i + 1 < len(argv) and not argv[i + 1].startswith("--") and argv[i + 1] != "-h":  # "-1" is a value
+            out.append(f"{arg}={argv[i + 1]}")
+            i += 1
+        else:
+            out.append(f"{arg}=true")
+        i += 1
+    return out
+
+
 def parse_args(cls: type[T], job: str, argv: list[str] | None = None,
                default_profile: str = "demo") -> T:
-    """Resolve a job's config from defaults, a profile and overrides.
+    """Resolve a job's config from defaults, a profile and overrides (``--key=value`` or ``--key value``).
 
-    ``--help`` prints every field and exits 0; anything malformed raises ConfigError.
+    ``--help`` prints every field with the value this command line resolves to and exits 0; anything
+    malformed raises ConfigError (``cli`` turns it into one line and exit code 2).
     """
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if "--help" in argv or "-h" in argv:
-        print(format_help(cls, job))
-        raise SystemExit(0)
+    argv = normalize_args(list(sys.argv[1:] if argv is None else argv))
     profile = default_profile
     overrides: list[tuple[str, str]] = []
     for arg in argv:
+        if arg == "--help":
+            continue
         if not arg.startswith("--") or "=" not in arg:
             raise ConfigError(f"arguments look like --section.key=value, got {arg!r}")
         key, _, value = arg[2:].partition("=")
@@ -423,7 +447,20 @@ def parse_args(cls: type[T], job: str, argv: list[str] | None = None,
         cfg = merge(cfg, load_yaml(profile_path(job, profile)))
     for key, value in overrides:
         cfg = apply_override(cfg, key, value)
+    if "--help" in argv:
+        print(format_help(cls, job, defaults=cfg, profile=profile))
+        raise SystemExit(0)
     return cfg
+
+
+def cli(main: Callable[[], Any]) -> None:
+    """Run an entry point's ``main`` (every ``jobs/*.py`` and ``serve`` app): a ``ConfigError`` (a misspelt
+    key, a bad value, a missing profile) prints one line, not a traceback, and exits with code 2."""
+    try:
+        main()
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
 
 
 def script_flags(argv: Sequence[str], defaults: Mapping[str, Any], *,

@@ -430,4 +430,6 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from osvl.config import cli
+
+    cli(main)

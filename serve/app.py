@@ -801,10 +801,10 @@ def main(argv: list[str] | None = None) -> None:
     so the laptop run and ``serve run`` use one file; later flags override its args.
     """
     from osvl.cluster import init_ray, start_serve
-    from osvl.config import load_yaml, merge
+    from osvl.config import load_yaml, merge, normalize_args
     from osvl.tools.registry import all_tools
 
-    argv = list(sys.argv[1:] if argv is None else argv)
+    argv = normalize_args(list(sys.argv[1:] if argv is None else argv))
     cfg, deployments = ServeConfig(), {}
     for arg in [a for a in argv if a.startswith("--config=")]:  # the file first, then flags override its args
         app_cfg = load_yaml(arg.partition("=")[2])["applications"][0]
@@ -823,25 +823,34 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def service_flags(argv: list[str], cfg: Any, module: str) -> tuple[int, Any]:
-    """A service's command line (``python -m serve.<module>``): ``--port=N``, ``--log_level=LEVEL``, ``--help``
-    (every field of ``cfg``'s type, then exit) and ``--<field>=value`` overrides; sets up logging. Returns
-    (port, 0 = a free one; the config with the overrides)."""
-    from osvl.config import apply_override, format_help
+    """A service's command line (``python -m serve.<module>``), parsed as the jobs' are (``--key=value`` or
+    ``--key value``): ``--port=N``, ``--log_level=LEVEL``, ``--help`` (every field with the value this command
+    line gives it, then exit), ``--print_config`` (the resolved config, then exit) and ``--<field>=value``
+    overrides; sets up logging. Returns (port, 0 = a free one; the config with the overrides)."""
+    from osvl.config import apply_override, dump, format_help, normalize_args
+    from osvl.errors import ConfigError
     from osvl.logs import setup
 
-    port = 0
+    port, argv = 0, normalize_args(argv)
     for arg in argv:
         key, _, value = arg.removeprefix("--").partition("=")
-        if key in ("help", "h"):
-            print(format_help(type(cfg), defaults=cfg, usage=f"usage: python -m {module} [--port=N] "
-                              "[--log_level=debug|info|warning|error] [--key=value ...]"))
-            raise SystemExit(0)
+        if arg in ("--help", "--print_config"):
+            continue
         if key == "port":
+            if not value.isdigit():
+                raise ConfigError(f"--port: expected a port number, got {value!r}")
             port = int(value)
         elif key == "log_level":
             setup(value)
         else:
             cfg = apply_override(cfg, key, value)
+    if "--help" in argv:
+        print(format_help(type(cfg), defaults=cfg, usage=f"usage: python -m {module} [--port=N] [--print_config] "
+                          "[--log_level=debug|info|warning|error] [--key=value | --key value ...]"))
+        raise SystemExit(0)
+    if "--print_config" in argv:
+        print(dump(cfg), end="", flush=True)
+        raise SystemExit(0)
     setup()  # info unless --log_level chose (or $OSVL_LOG_LEVEL)
     return port, cfg
 
@@ -858,6 +867,7 @@ def serve_until_interrupted() -> None:
 if __name__ == "__main__":
     # Run the importable module, not this `__main__` copy: Ray pickles `__main__` classes by value, and
     # what they reference by name (the cached `keep_freed_memory`) is then missing in the replicas.
+    from osvl.config import cli
     from serve.app import main as _main
 
-    _main()
+    cli(_main)
