@@ -121,7 +121,7 @@ lint: setup
 mutation: setup
 	$(VENV)/bin/mutmut run --max-children 2 && $(VENV)/bin/mutmut results
 
-# A loopback-only head node for `ray job submit` (see README).
+# A loopback-only head node for `ray job submit` (see docs/cluster.md).
 ray-up: setup
 	$(PY) -m osvl.cluster up
 

@@ -4,7 +4,7 @@ Every run is the GRPO job's own machinery (``osvl.rl.job.prepare`` builds or reu
 questions and the SFT'd model once, as ``jobs/grpo.py`` does; ``train`` runs each mode and
 seed; ``pass_at_1`` scores the held-out questions greedily), so the modes share one
 environment (rollout budgets, fatal rule, reward and judges, buffer) and differ only in
-``rl.mode`` (README, "Fatal-aware asynchronous GRPO"). Seed s is the same for every mode: the
+``rl.mode`` (docs/training.md, "Fatal-aware asynchronous GRPO"). Seed s is the same for every mode: the
 same question order and sampling seeds, and the model they all start from is the one the
 demo's seed builds.
 
@@ -15,7 +15,7 @@ Per mode, over seeds (mean and standard error; a single seed has no error):
   measured once: greedy, so the same for every mode and seed);
 - ``fatal_rate``: mean share of fatal trajectories per step;
 - ``fatal_positive``: of the fatal trajectories with a non-zero advantage, the share whose advantage
-  was positive (before any clamp: counted in every mode, the README's "clamp split").
+  was positive (before any clamp: counted in every mode, docs/training.md's "clamp split").
 
 Against ``vanilla`` (``vs_vanilla``, when it ran): each mode's paired difference per seed with a t-based
 95% interval (``osvl.rl.report.paired_interval``: seed s of two modes shares its questions, sampling
@@ -39,7 +39,7 @@ runs fit 150 minutes on the 2 cores::
     .venv/bin/python bench/ablation.py --outages=0.3 --seeds=5 --steps=20 --eval.n_heldout=200
 
 25 steps by default, not the demo's 40: 12 runs of 40 steps do not fit the 120 minutes the
-benchmark is given on a 2-core machine (README, "Fatal-aware asynchronous GRPO", has the timings).
+benchmark is given on a 2-core machine (docs/measurements.md has the timings).
 
 ``--scripted`` starts from the tiny agent checkpoint of ``osvl.agent.scripted`` on its own picture
 questions (no data or SFT to build: the smoke run); other flags are the GRPO job's (``jobs/grpo.py

@@ -1,6 +1,7 @@
-"""Every command in the README's bash blocks runs, as written, on this machine.
+"""Every command in the bash blocks of the README and of the docs pages (docs/*.md) runs, as written, on this machine.
 
-`make test` is the one exception: it is the command that runs this file (CI runs it).
+`make test` is the one exception: it is the command that runs this file (CI runs it). The README is the landing
+page; the usage pages it links hold the other commands, so they are run too, page by page in order.
 Commands run in the repository with ``OSVL_RUN_ROOT`` pointing at a temporary folder
 so the test never touches a user's runs.
 """
@@ -22,9 +23,9 @@ SMALL_DEMO = ("make demo DEMO_ARGS='--trajectories.max_questions=8 --sft.max_ste
               "--train.ckpt_every=1 --eval.n_heldout=2'")
 
 
-def readme_blocks() -> list[list[str]]:
-    text = (REPO / "README.md").read_text()
-    blocks = re.findall(r"```bash\n(.*?)```", text, flags=re.S)
+def bash_blocks(page: Path) -> list[list[str]]:
+    """The commands of each ```bash block of one Markdown page, in order (comments dropped)."""
+    blocks = re.findall(r"```bash\n(.*?)```", page.read_text(), flags=re.S)
     out = []
     for block in blocks:
         lines = [line.split("  #")[0].strip() for line in block.splitlines()]
@@ -32,9 +33,34 @@ def readme_blocks() -> list[list[str]]:
     return out
 
 
+def readme_blocks() -> list[list[str]]:
+    return bash_blocks(REPO / "README.md")
+
+
+def doc_pages() -> list[Path]:
+    """The README, then every docs page by name."""
+    return [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+
+
+def all_blocks() -> list[list[str]]:
+    """Every page's bash blocks: a block that depends on an earlier one (a cluster started, then used)
+    sits on the same page after it, and pages run one after the other."""
+    return [block for page in doc_pages() for block in bash_blocks(page)]
+
+
 def test_readme_shows_the_two_commands():
     commands = [c for block in readme_blocks() for c in block]
     assert "make demo" in commands and "make test" in commands
+
+
+def test_the_docs_pages_hold_the_moved_commands():
+    """The landing page keeps its two commands; the usage pages hold the rest, all collected for the run
+    below: a block that starts the head node stops it too, and `make test` is only on the README."""
+    readme = [c for block in readme_blocks() for c in block]
+    every = [c for block in all_blocks() for c in block]
+    assert set(readme) < set(every), "no bash block collected from docs/*.md"
+    assert all(("make ray-up" in block) == ("make ray-down" in block) for block in all_blocks())
+    assert every.count("make test") == readme.count("make test") == 1
 
 
 def run(command: str, env: dict[str, str], timeout: int = 1500) -> subprocess.CompletedProcess:
@@ -48,7 +74,7 @@ def run(command: str, env: dict[str, str], timeout: int = 1500) -> subprocess.Co
 def test_every_readme_command_runs(tmp_path):
     env = {**os.environ, "OSVL_RUN_ROOT": str(tmp_path / "runs")}
     ran = []
-    for block in readme_blocks():
+    for block in all_blocks():
         cleanup = "make ray-down" if "make ray-up" in block else None
         try:
             for command in block:
