@@ -188,3 +188,35 @@ def test_waves_keep_shard_boundaries_when_shards_are_skipped(shared_data: Path) 
     assert [streamed for _, streamed in waves] == [100, 180, 206]  # a wave goes out as soon as it is full
     kept = {it["shard"]: it["pages"] for items, _ in waves for it in items}
     assert all(kept[k] == full[k]["pages"] for k in kept)  # a skipped shard does not shift the next ones
+
+
+def test_parts_write_the_same_tables_as_write_kg_with_duplicate_and_self_links(tmp_path):
+    """``schema.write_kg_parts`` (the bounded builds' writer) keeps the first of each (src, dst, relation) and no
+    self-link, in order, with degrees over distinct pairs: the same files as ``write_kg`` over the whole rows."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from osvl.kg.schema import ENTITIES_SCHEMA, LINKS_SCHEMA, write_kg, write_kg_parts
+
+    ents = [{"id": i, "title": f"E{i}", "aliases": [], "description": "", "text": "", "images": [],
+             "categories": [], "in_degree": 0, "out_degree": 0, "kind": "article", "origin": "wikidata",
+             "attributes": [{"key": "colour", "value": ["red", "blue"][i % 2], "source": "p", "eligible": None}]}
+            for i in range(6)]
+    links = [(0, 1, "a"), (0, 1, "a"), (0, 1, "b"), (1, 1, "a"), (2, 0, "a"), (1, 0, "a"), (0, 1, "a"),
+             (3, 4, "c"), (3, 3, "c"), (4, 5, "c"), (3, 4, "c"), (5, 0, "a")]
+    write_kg(tmp_path / "whole", ents, links)
+    parts = []
+    for k, (lo, hi) in enumerate(((0, 3), (3, 6))):
+        e, lk = tmp_path / f"e{k}.parquet", tmp_path / f"l{k}.parquet"
+        pq.write_table(pa.Table.from_pylist(ents[lo:hi], schema=ENTITIES_SCHEMA), e)
+        mine = [x for x in links if lo <= x[0] < hi]
+        pq.write_table(pa.table({"src": [x[0] for x in mine], "dst": [x[1] for x in mine],
+                                 "relation": [x[2] for x in mine]}, schema=LINKS_SCHEMA), lk)
+        parts.append((e, lk))
+    write_kg_parts(tmp_path / "parts", parts)
+    for name in ("entities", "links"):
+        assert pq.read_table(tmp_path / "parts" / f"{name}.parquet").equals(
+            pq.read_table(tmp_path / "whole" / f"{name}.parquet")), name
+    got = pq.read_table(tmp_path / "parts" / "links.parquet").to_pylist()
+    assert [(r["src"], r["dst"], r["relation"]) for r in got] == [
+        (0, 1, "a"), (0, 1, "b"), (2, 0, "a"), (1, 0, "a"), (3, 4, "c"), (4, 5, "c"), (5, 0, "a")]

@@ -312,13 +312,13 @@ def write_kg_parts(root: str | Path, parts: list[tuple[Path, Path]],
                 s_, d_ = lk.column("src").to_numpy(), lk.column("dst").to_numpy()
                 if len(s_) and (s_.min() < lo or s_.max() >= lo + len(ids) or d_.min() < 0 or d_.max() >= n):
                     raise DataError(f"{links_path}: a link names an unknown entity")
-                seen: set[tuple[int, int, str]] = set()
-                keep = []
-                for j, key in enumerate(zip(s_.tolist(), d_.tolist(), lk.column("relation").to_pylist(), strict=True)):
-                    if key[0] != key[1] and key not in seen:
-                        seen.add(key)
-                        keep.append(j)
-                lk = lk.take(pa.array(keep, pa.int64()))
+                # the first of each (src, dst, relation), no self-link, in order: in NumPy, not a Python set of
+                # tuples (~250 bytes a link: 0.3 GiB of driver peak on a 1 GB triples file)
+                rel = pc.dictionary_encode(lk.column("relation").combine_chunks(), null_encoding="encode")
+                rows = np.flatnonzero(s_ != d_)
+                key = np.stack([s_[rows], d_[rows], rel.indices.to_numpy(zero_copy_only=False)[rows]], axis=1)
+                first = np.unique(key, axis=0, return_index=True)[1] if len(rows) else np.zeros(0, np.int64)
+                lk = lk.take(pa.array(rows[np.sort(first)], pa.int64()))
                 lw.write_table(lk)
                 n_links += lk.num_rows
                 pairs = np.unique(lk.column("src").to_numpy() * max(n, 1) + lk.column("dst").to_numpy())
