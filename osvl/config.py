@@ -82,6 +82,12 @@ class RunConfig:
     seed: int = opt(0, "Global random seed (Python, NumPy, torch, and per-shard seeds derive from it).")
     name: str = opt("", "Optional run name; when set it replaces the config hash as the folder name.",
                     hashed=False)
+    # experiment tracking (osvl/tracking.py): where a job logs, not what it produces, hence not hashed
+    tracking: list[Literal["tensorboard", "wandb", "mlflow"]] = opt(
+        ["tensorboard"], "Where training and eval jobs log scalars (osvl/tracking.py): tensorboard (<run folder>/tb/), "
+        "wandb, mlflow.", hashed=False)
+    tracking_project: str = opt("", "W&B project / MLflow experiment name for run.tracking; empty = osvl.",
+                                hashed=False)
 
 
 # ---------------------------------------------------------------------------

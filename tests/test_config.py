@@ -115,7 +115,7 @@ def test_opt_metadata_and_fresh_mutable_defaults():
     a.big.hidden = 2
     assert (b.layers, b.weights, b.model.hidden, b.big.hidden) == ([1, 2], {"a": 1.0}, 16, 64)
     run_fields = {f.name: f.metadata["hashed"] for f in dataclasses.fields(RunConfig)}
-    assert run_fields == {"root": False, "seed": True, "name": False}
+    assert run_fields == {"root": False, "seed": True, "name": False, "tracking": False, "tracking_project": False}
 
 
 def test_opt_builds_fields():
@@ -251,7 +251,8 @@ def test_unknown_keys_name_valid_ones_and_suggest():
         "model, note, run, steps, tags, use_kl, weights, workers")
     assert err(merge, Job(), {"model": {"hiden": 3}}).startswith("unknown config key 'model.hiden' (did you mean")
     assert err(from_dict, Job, {"run": {"sed": 3}}) == (
-        "unknown config key 'run.sed' (did you mean 'seed'?); valid keys here: name, root, seed")
+        "unknown config key 'run.sed' (did you mean 'seed'?); valid keys here: name, root, seed, tracking, "
+        "tracking_project")
     assert err(from_dict, Job, {"big": {"x": 1}}, prefix="p.").startswith("unknown config key 'p.big.x'; valid")
     assert err(from_dict, Job, {"lbl": 1}, prefix="p.") == (
         "unknown config key 'p.lbl' (did you mean 'label'?); valid keys here: big, either, extra, label, layers, "

@@ -116,6 +116,15 @@ def test_killed_rollout_actor_groups_are_reissued_and_accounted_once(questions_d
         assert im.format == "PNG" and im.width > 600 and im.height > 400
     for g in reissued:
         assert ledger[g]["attempt"] >= 1 and ledger[g]["actor"].startswith("rollout0~"), (g, ledger[g])
+    # the learner's rank 0 logged every numeric field of each step row to TensorBoard (osvl/tracking.py) as well
+    from osvl.tracking import read_scalars
+
+    tb = read_scalars(tmp_path)
+    for name in ("reward", "fatal_rate", "r_acc", "buffer_ready", "weights/rebuilds"):
+        assert [s for s, _ in tb[name]] == [1, 2, 3], (name, tb.get(name))
+    for name in ("reward", "fatal_rate"):
+        assert [v for _, v in tb[name]] == pytest.approx([r[name] for r in rows], rel=1e-6, abs=1e-7)
+    assert "versions" not in tb and "step" not in tb
 
 
 def test_rollout_actor_fails_when_a_weight_update_cannot_be_applied(questions_dir, ray_cluster):

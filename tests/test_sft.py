@@ -56,15 +56,20 @@ def _main(argv: list[str]) -> dict:
     return run(parse_args(SftConfig, JOB, argv))
 
 
+def _glob(run_root: Path, pattern: str) -> list[Path]:
+    """``run_root.glob(pattern)`` without the paths through ``sft/latest``, the link to the newest run folder."""
+    return [p for p in run_root.glob(pattern) if "latest" not in p.relative_to(run_root).parts]
+
+
 def _log(run_root: Path) -> dict[int, dict]:
-    (log,) = run_root.glob("sft/*/train_log.jsonl")
+    (log,) = _glob(run_root, "sft/*/train_log.jsonl")
     rows = [json.loads(x) for x in log.read_text().splitlines() if x.strip()]
     return {r["step"]: r for r in rows}
 
 
 def _moments(run_root: Path) -> dict[str, torch.Tensor]:
     """Every tensor of every rank's ZeRO optimizer state in the newest checkpoint (Adam moments included)."""
-    ckpts = sorted((p for p in run_root.glob("sft/*/train/checkpoint_*") if p.is_dir()), key=lambda p: p.name)
+    ckpts = sorted((p for p in _glob(run_root, "sft/*/train/checkpoint_*") if p.is_dir()), key=lambda p: p.name)
     out: dict[str, torch.Tensor] = {}
 
     def walk(prefix: str, x) -> None:
@@ -113,14 +118,22 @@ def test_zero3_bf16_under_the_rehearsal_follows_zero2_and_the_hf_dir_generates(t
     for s in l2:  # bf16 against the fp32 ZeRO-2 run: measured within 6.3e-3 over the 7 steps
         assert abs(l2[s]["loss"] - l3[s]["loss"]) < 2e-2, (s, l2[s]["loss"], l3[s]["loss"])
     for rank in range(2):  # each rank's peak host memory at load and after its first step
-        (rec,) = tmp_path.glob(f"sft/*/rehearsal_rank{rank}.json")
+        (rec,) = _glob(tmp_path, f"sft/*/rehearsal_rank{rank}.json")
         peaks = json.loads(rec.read_text())["peak_rss_bytes"]
         assert 0 < peaks["load"] <= peaks["step1"], peaks
     assert l2[7]["loss"] < l2[1]["loss"]
+    # rank 0 logged every numeric field of each step to TensorBoard too (osvl/tracking.py), once per step
+    from osvl.tracking import read_scalars
+
+    (folder,) = {p.parent for p in _glob(tmp_path, "sft/*/train_log.jsonl")}
+    tb = read_scalars(folder)
+    assert [s for s, _ in tb["loss"]] == list(range(1, 8)) and "lr" in tb and "grad_norm" in tb
+    assert [v for _, v in tb["loss"]] == pytest.approx([l3[s]["loss"] for s in range(1, 8)], rel=1e-6)
+    assert (tmp_path / "sft" / "latest").resolve() == folder.resolve()
     # the training curves (loss, validation loss, lr, gradient norm) are a PNG in the run folder
     from PIL import Image
 
-    (png,) = tmp_path.glob("sft/*/curves.png")
+    (png,) = _glob(tmp_path, "sft/*/curves.png")
     with Image.open(png) as im:
         assert im.format == "PNG" and im.width > 600 and im.height > 200
     # the ZeRO-3 run's exported directory is an ordinary checkpoint that loads and generates
@@ -143,7 +156,7 @@ def test_sigkill_after_checkpoint_resumes_exactly(trajectories, zero2_run, tmp_p
     deadline = time.time() + 240
     try:
         while time.time() < deadline and proc.poll() is None:
-            snaps = list(root.glob("sft/*/train/checkpoint_manager_snapshot.json"))
+            snaps = _glob(root, "sft/*/train/checkpoint_manager_snapshot.json")
             try:
                 if snaps and json.loads(snaps[0].read_text()).get("checkpoint_results"):
                     break
@@ -163,7 +176,7 @@ def test_sigkill_after_checkpoint_resumes_exactly(trajectories, zero2_run, tmp_p
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     shown = re.findall(r"sft step (\d+)/", out.stdout)  # the worker's lines, forwarded to the driver's log
     assert shown and len(shown) == len(set(shown)), shown  # each once: one console handler in the worker
-    (report_file,) = root.glob("sft/*/report.json")
+    (report_file,) = _glob(root, "sft/*/report.json")
     resumed = json.loads(report_file.read_text())["resumed_at"]
     assert len(resumed) == 1 and resumed[0] in (2, 4), resumed  # from a checkpoint, not from scratch
     log = _log(root)

@@ -108,7 +108,8 @@ def test_eval_with_a_vllm_engine_in_the_vllm_environment(tmp_path, questions, vl
             "--text_search.dense_rerank=false", "--agent.max_turns=3", "--agent.max_new_tokens=48",
             f"--schemas={questions / 'schemas.json'}", "--offer=crop,text_search"]
     _job("eval.py", args, timeout=540)
-    [run] = [p for p in (tmp_path / "eval").iterdir() if (p / "items.jsonl").is_file()]
+    # the run folder, not the eval/latest link to it (osvl/tracking.py)
+    [run] = [p for p in (tmp_path / "eval").iterdir() if (p / "items.jsonl").is_file() and not p.is_symlink()]
     items = [json.loads(line) for line in (run / "items.jsonl").read_text().splitlines()]
     assert len(items) == 3 and {r["engine"] for r in items} == {"VLLMEngine"}
     assert all(r["turns"] >= 1 and r["failure"] != "item_error" for r in items), items

@@ -45,6 +45,7 @@ from osvl.logs import Progress
 from osvl.tools.cache import CacheMode
 from osvl.tools.outages import OutageConfig, with_outages
 from osvl.tools.text_search import TextSearchConfig
+from osvl.tracking import tracked
 
 logger = logging.getLogger(__name__)
 
@@ -269,6 +270,7 @@ def _key(rec: dict[str, Any]) -> tuple[str, str, str]:
     return rec["benchmark"], rec["mode"], rec["id"]
 
 
+@tracked(JOB)
 def run(cfg: EvalConfig, log: Callable[[str], None] = logger.info) -> dict[str, Any]:
     """The whole job; returns the summary (also written as summary.json)."""
     import ray
@@ -341,7 +343,18 @@ def run(cfg: EvalConfig, log: Callable[[str], None] = logger.info) -> dict[str, 
     summary = write_reports(out, records, benches, cfg.modes, extra={
         "model": cfg.model, "judge": cfg.judge, "evaluated_now": len(todo), "resumed": len(done),
         "seconds": round(time.perf_counter() - t0, 1), "config": to_dict(cfg)})
-    storage.publish(out)
+    log_scalars(out, cfg, summary)
+    storage.publish(out)  # the event files with the rest
     log((out / "summary.md").read_text())
     return summary
 
+
+def log_scalars(out: Path, cfg: EvalConfig, summary: dict[str, Any]) -> None:
+    """Pass@1 (and fatal rate, mean turns and tool calls) of each benchmark and mode as tracked scalars at step 0,
+    ``pass_at_1/<benchmark>/<mode>``: an eval is one point, which TensorBoard shows beside the training curves."""
+    from osvl.tracking import Tracker
+
+    with Tracker.for_run(out, cfg.run, job=JOB, config=to_dict(cfg)) as tracker:
+        tracker.log({f"{key}/{bench}/{mode}": t[key] for bench, entry in summary["benchmarks"].items()
+                     for mode, t in entry["modes"].items()
+                     for key in ("pass_at_1", "fatal_rate", "mean_turns", "mean_tool_calls")}, step=0)

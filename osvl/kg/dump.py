@@ -58,6 +58,7 @@ from osvl.kg.mediawiki import iter_page_fields, page_from_fields, parse_page
 from osvl.kg.schema import ATTRIBUTE_TYPE, fold_all, write_kg_parts
 from osvl.logs import Progress
 from osvl.storage import atomic
+from osvl.tracking import tracked
 
 logger = logging.getLogger(__name__)
 
@@ -124,10 +125,10 @@ def validate(cfg: BuildKGConfig) -> Path:
     if cfg.shard_pages < 1 or cfg.workers < 1:
         raise ConfigError(f"shard_pages and workers must be >= 1, got {cfg.shard_pages}, {cfg.workers}")
     if not cfg.input:
-        raise ConfigError("set --input=PATH to a pages-articles export (.xml.bz2); see the README for the full dump")
+        raise ConfigError("set --input=PATH to a pages-articles export (.xml.bz2); see docs/data.md for the full dump")
     path = input_path(cfg.input)
     if not path.is_file():
-        raise ConfigError(f"input {cfg.input!r} does not exist ({path}); download the dump first (README)")
+        raise ConfigError(f"input {cfg.input!r} does not exist ({path}); download the dump first (docs/data.md)")
     for name in ("labels", "images_dir"):
         value = getattr(cfg, name)
         if value and not input_path(value).exists():
@@ -374,6 +375,7 @@ def _copy_out(kg_dir: Path, out_dir: str) -> None:
             shutil.copyfile(kg_dir / name, tmp)
 
 
+@tracked(JOB)
 def run(cfg: BuildKGConfig, *, log: Callable[[str], None] = logger.info) -> tuple[Path, dict[str, Any]]:
     """Both passes; returns the KG folder and the counts (also saved as ``counts.json``)."""
     from osvl.cluster import init_ray

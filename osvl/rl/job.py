@@ -19,6 +19,7 @@ from typing import Any
 from osvl.config import RunConfig, opt
 from osvl.errors import ConfigError
 from osvl.logs import Progress
+from osvl.plots import pass_at_1_bars
 from osvl.rl import checkpoint as ckpt
 from osvl.rl.learner import RLConfig
 from osvl.rl.loss import MODES
@@ -35,6 +36,7 @@ from osvl.rl.trainer import (
     train,
 )
 from osvl.storage import publish
+from osvl.tracking import tracked
 
 logger = logging.getLogger(__name__)
 
@@ -130,6 +132,7 @@ def merge_data(scfg: Any, tdir: Path, qdir: Path) -> Any:
     return merge(scfg, {"data": {"trajectories": str(tdir), "heldout": str(qdir / "heldout.parquet")}})
 
 
+@tracked(JOB)
 def run(cfg: GRPOConfig, log: Callable[[str], None] = logger.info) -> dict[str, Any]:
     """The whole job (see GRPOConfig); prints a per-step table and a final summary, returns the summary."""
     from osvl.config import run_dir
@@ -181,6 +184,10 @@ def run(cfg: GRPOConfig, log: Callable[[str], None] = logger.info) -> dict[str, 
                                    cfg.eval.concurrency, EVAL_MODES, cfg.eval.workers)
             grpo_eval.write_text(json.dumps({"checkpoint": name, "scores": after}))
     held = heldout_report(heldout, before, after)
+    if before or after:  # the held-out figures as bars beside the curves (the README's picture of the demo)
+        pass_at_1_bars({label: {m: sum(sc[m]) / len(heldout) for m in EVAL_MODES}
+                        for label, sc in (("after SFT", before), ("after GRPO", after)) if sc},
+                       out / "pass_at_1.png", title=f"Held-out Pass@1 ({len(heldout)} questions, greedy)")
     st = res["buffer"]
     summary.update(held, seconds=time.perf_counter() - t0, train_s=res["seconds"],
                    issued=st["issued_total"], consumed=st["consumed"], dropped=st["dropped"], resampled=st["resampled"],

@@ -172,6 +172,7 @@ def train_loop(config: dict[str, Any]) -> None:  # pragma: no mutate block
     from osvl.models.load import load_processor
     from osvl.rl import checkpoint as ckpt
     from osvl.rl.weights import Publisher
+    from osvl.tracking import Tracker
     from osvl.train import rehearsal
     from osvl.train.deepspeed import hidden_size, load_trainable
     from osvl.train.device import all_reduce
@@ -250,6 +251,9 @@ def train_loop(config: dict[str, Any]) -> None:  # pragma: no mutate block
     if rank == 0:
         record_limits(config["recorder"], cfg, config["max_staleness"])
     log = open(log_path, "a") if rank == 0 else None  # noqa: SIM115 - closed below
+    # the step rows' numbers to TensorBoard (W&B, MLflow: run.tracking) from rank 0, the writer of steps.jsonl
+    tracker = Tracker.for_run(run_folder, config["tracking"], job="grpo") if rank == 0 and "tracking" in config \
+        else Tracker.disabled()
     try:
         while learner.step_count + learner.skipped < config["steps"]:
             step = learner.step_count + learner.skipped
@@ -281,6 +285,8 @@ def train_loop(config: dict[str, Any]) -> None:  # pragma: no mutate block
                 log.write(json.dumps(row) + "\n")
                 log.flush()
                 storage.publish(run_folder, "steps.jsonl")
+                tracker.log(row, row["step"])  # reward, fatal_rate, loss, kl, ... and the weights/ counters
+                tracker.publish()
                 record_metrics(config["recorder"], row, config["steps"])
                 if (step + 1) % config["ckpt_every"] == 0 or step + 1 == config["steps"]:  # the last step is one
                     draw_curves(log_path)
@@ -288,6 +294,7 @@ def train_loop(config: dict[str, Any]) -> None:  # pragma: no mutate block
     finally:
         if log is not None:
             log.close()
+        tracker.close()
 
 
 CATCHUP_POLL_S = 2.0  # how often a learner waiting for groups looks for an actor that needs a catch-up

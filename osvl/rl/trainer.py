@@ -231,6 +231,7 @@ def train(parts: GRPOParts, model_dir: str | Path, questions: list[dict[str, Any
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+    from osvl import tracking
     from osvl.errors import ConfigError
     from osvl.metrics import Recorder
     from osvl.rl import checkpoint as ckpt
@@ -241,6 +242,7 @@ def train(parts: GRPOParts, model_dir: str | Path, questions: list[dict[str, Any
     from osvl.rl.weights import WeightStore, check_transport
 
     check_transport(parts.learner.weights)
+    tracking.check(parts.run.tracking)  # a missing W&B / MLflow fails here, not in the learner's rank 0
     if parts.learner.freeze_vision and parts.rollout.engine == "vllm":
         # vLLM reloads layer by layer and counts a layer nothing wrote as unloaded: it would refuse every version
         raise ConfigError("learner.freeze_vision with rollout.engine=vllm: versions leave the vision tower out, "
@@ -291,7 +293,8 @@ def train(parts: GRPOParts, model_dir: str | Path, questions: list[dict[str, Any
                    "ckpt_every": tc.ckpt_every, "keep": tc.keep,
                    "weights_every": tc.weights_every, "seed": parts.run.seed,
                    "temperature": parts.rollout.agent.temperature, "recorder": rec,
-                   "max_staleness": tc.max_staleness, "learner": parts.learner}
+                   "max_staleness": tc.max_staleness, "learner": parts.learner,
+                   "tracking": parts.run}  # run.tracking: where rank 0 logs the step rows (osvl/tracking.py)
     t0 = time.perf_counter()
     # the learner's GPUs are reserved before any rollout actor's (osvl/rl/placement.py): actors SPREAD first
     # would take GPUs on every node and split the learner's group; its train loop publishes the weights

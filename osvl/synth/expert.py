@@ -61,6 +61,7 @@ from osvl.synth.walks import Split
 from osvl.tools.cache import CacheMode
 from osvl.tools.outages import OutageConfig, with_outages
 from osvl.tools.text_search import TextSearchConfig
+from osvl.tracking import tracked
 
 logger = logging.getLogger(__name__)
 
@@ -341,6 +342,7 @@ def report(counts: Counter[str], seconds: float) -> dict[str, Any]:
     }
 
 
+@tracked(JOB)
 def run(cfg: TrajConfig, *, log: Callable[[str], None] = logger.info) -> tuple[Path, dict[str, Any]]:
     """Answer the split's questions with the teacher, filter, keep, write (resuming shards)."""
     from osvl.cluster import init_ray

@@ -56,6 +56,7 @@ from osvl.synth.difficulty import DifficultyConfig
 from osvl.synth.invariants import fold, violations
 from osvl.synth.rewrite import llm_rewrite, template_rewrite
 from osvl.synth.walks import SPLITS, Graph, SplitMap, WalkConfig, assign_splits, random_walk
+from osvl.tracking import tracked
 
 logger = logging.getLogger(__name__)
 
@@ -646,6 +647,7 @@ def run_shards(worker: type, kwargs: dict[str, Any], todo: list[int], total: int
             bar.update(1)
 
 
+@tracked(JOB)
 def run(cfg: SynthConfig, *, log: Callable[[str], None] = logger.info) -> tuple[Path, dict[str, Any]]:
     """Synthesize (resuming committed shards), finalize; returns the run folder and the data card."""
     from osvl.cluster import init_ray

@@ -40,6 +40,7 @@ from typing import Any, Literal
 from osvl.config import RunConfig, opt
 from osvl.errors import ConfigError, DataError
 from osvl.models.tiny import TinyKind, checkpoint_name
+from osvl.tracking import tracked
 from osvl.train.rehearsal import Rehearsal
 from osvl.train.sft_data import check_tokenizer, count_rows, load_split, long_rows, parquet_files
 from osvl.train.sft_loop import JOB, draw_curves, train_loop
@@ -161,6 +162,7 @@ def loss_curve(log_file: Path, width: int = 60) -> str:
     return f"loss {hi:.3f} -> {losses[-1]:.3f}  {spark}\n  step:loss  {table}"
 
 
+@tracked(JOB)
 def run(cfg: SftConfig, *, log: Callable[[str], None] = logger.info) -> dict[str, Any]:
     """Train (resuming if this run folder has checkpoints), export the HF model, run the format check."""
     from osvl.cluster import init_ray

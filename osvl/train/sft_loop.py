@@ -96,9 +96,11 @@ def train_loop(config: dict) -> None:
     import ray.train
     import torch
 
+    from osvl.config import to_dict
     from osvl.logs import setup
     from osvl.metrics import TRAIN_GRAD_NORM, TRAIN_LOSS, TRAIN_LR, TRAIN_TOKENS_PER_S, TRAIN_VAL_LOSS, Recorder
     from osvl.models.load import load_processor
+    from osvl.tracking import Tracker
     from osvl.train import device, rehearsal
     from osvl.train.deepspeed import ds_config, hidden_size, init_engine, load_checkpoint, save_checkpoint
 
@@ -136,6 +138,9 @@ def train_loop(config: dict) -> None:
             with log_file.open("a") as f:
                 f.write(json.dumps({"resumed_at": step}) + "\n")
     rec = Recorder(JOB, log_file.parent.name)  # run label: the run folder (config hash or run.name)
+    # TensorBoard (and W&B / MLflow when run.tracking lists them) from rank 0, the writer of train_log.jsonl
+    tracker = Tracker.for_run(log_file.parent, cfg.run, job=JOB, config=to_dict(cfg)) if rank == 0 \
+        else Tracker.disabled()
     # a Ray Train worker's output is never a terminal: plain lines in the job log, from rank 0 only
     bar = Progress(total, "sft", "steps", initial=step)
     rows_per_micro = world * cfg.micro_batch
@@ -160,6 +165,7 @@ def train_loop(config: dict) -> None:
             bar.update(1, loss=loss)
             with log_file.open("a") as f:
                 f.write(json.dumps(log) + "\n")
+            tracker.log(log, step)
             rec.set(TRAIN_LOSS, loss)
             rec.set(TRAIN_LR, lr)
             rec.set(TRAIN_GRAD_NORM, grad_norm)
@@ -182,6 +188,7 @@ def train_loop(config: dict) -> None:
             if rank == 0:
                 logger.info(f"sft: checkpoint step {step}")
                 draw_curves(log_file)
+                tracker.publish()
         t_step = time.time()
 
     micro_done = step * cfg.grad_accum  # global micro-batches consumed before this run
@@ -221,6 +228,7 @@ def train_loop(config: dict) -> None:
         epoch += 1
         if micro_per_epoch == 0:
             raise DataError(f"{config['train_rows']} training rows make no global micro-batch of {rows_per_micro}")
+    tracker.close()
 
 
 def draw_curves(log_file: Path) -> None:
