@@ -209,7 +209,8 @@ def test_train_job_runs_checkpoints_resumes_and_exports(tmp_path, shared_data, r
     model = load_model(first["exported"])
     assert model.meta["steps"] == 4 and model.meta["num_feat"] == 8
     run = tmp_path / "train_edsr"
-    (folder,) = list(run.iterdir())
+    (folder,) = [p for p in run.iterdir() if not p.is_symlink()]
+    assert (run / "latest").resolve() == folder.resolve()  # osvl.tracking: the job's newest run
     assert json.loads((folder / "report.json").read_text())["meta"]["steps"] == 4
     checkpoints = sorted(p.name for p in (folder / "train").glob("checkpoint_*") if p.is_dir())
     assert len(checkpoints) == 2  # steps 2 and 4 (ckpt_every=2), both kept
@@ -217,7 +218,7 @@ def test_train_job_runs_checkpoints_resumes_and_exports(tmp_path, shared_data, r
     # same folder, no new checkpoint, same weights
     second = train_edsr.main(argv)
     assert second["meta"] == first["meta"]
-    assert list(run.iterdir()) == [folder]
+    assert [p for p in run.iterdir() if not p.is_symlink()] == [folder]
     assert sorted(p.name for p in (folder / "train").glob("checkpoint_*") if p.is_dir()) == checkpoints
 
 

@@ -33,6 +33,7 @@ from pathlib import Path
 from osvl.config import RunConfig, input_path, opt, run_dir
 from osvl.errors import ConfigError, DataError
 from osvl.logs import setup
+from osvl.tracking import tracked
 
 log = logging.getLogger("train_edsr")
 
@@ -203,6 +204,7 @@ def train_loop(config: dict) -> None:
         log.info(json.dumps(metrics))
 
 
+@tracked(JOB)
 def run(cfg: TrainEdsrConfig) -> dict:
     """The whole job: train (or resume), export the weights, score them on ``eval_dirs``; returns the report."""
     photo_paths(cfg.data)  # fail on bad folders before a cluster starts
