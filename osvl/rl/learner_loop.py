@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -24,6 +25,9 @@ from osvl.rl.learner import (
     mask_starts,
 )
 
+if TYPE_CHECKING:  # the launcher's module imports this one when it starts the learner
+    from osvl.config import RunConfig
+    from osvl.rl.trainer import LearnerConfig
 
 def _trainable(tr: Any, cfg: RLConfig) -> bool:
     """Whether ``rl_batch`` keeps the record (the ``drop`` policy drops rows over ``max_len``)."""
@@ -150,18 +154,33 @@ def reference_model(model_dir: Any, cfg: RLConfig, ds_cfg: dict[str, Any],
     return load_trainable(model_dir, ds_cfg, frozen=True).eval().to(group_device())
 
 
-def train_loop(config: dict[str, Any]) -> None:  # pragma: no mutate block
+@dataclass
+class LoopSettings:
+    """What the launcher (``osvl.rl.trainer.train``) hands every learner rank, inside Ray Train's config dict."""
+
+    rl: RLConfig
+    learner: LearnerConfig  # threads, ZeRO stage, dtype, checkpointing, rehearsal
+    run: RunConfig  # the job's: seed, and run.tracking (where rank 0 logs the step rows: osvl/tracking.py)
+    model_dir: str  # storage locations (osvl.storage): this node may hold no copy yet
+    image_dir: str
+    run_folder: str  # checkpoints and steps.jsonl
+    buffer: Any  # the trajectory buffer's and the weight store's actor handles
+    store: Any
+    recorder: Any  # osvl.metrics.Recorder of the run
+    steps: int
+    ckpt_every: int
+    keep: int  # checkpoints kept
+    weights_every: int  # steps between weight versions published to the rollout engines
+    temperature: float  # the rollouts' sampling temperature: the learner scores log-probs at it
+    max_staleness: int
+
+
+def train_loop(config: dict[str, LoopSettings]) -> None:  # pragma: no mutate block
     """The Ray Train worker function: take a step's groups, update, publish, checkpoint; repeat.
 
-    ``config`` (from the launcher, ``osvl/rl/trainer.py``): ``rl`` (RLConfig), ``model_dir``,
-    ``image_dir`` and ``run`` (the run folder: checkpoints, per-step JSONL), all three as storage
-    locations (``osvl.storage``), ``buffer`` and ``store`` (actor handles), ``steps`` (total),
-    ``ckpt_every``, ``learner`` (LearnerConfig: threads, ZeRO stage, dtype, checkpointing, rehearsal),
-    ``weights_every``, ``temperature`` (the rollouts'
-    sampling temperature).
-    Every rank trains on its share of the step's groups (whole groups: the advantages
-    are per group; ``rank_share``) over the step's global divisor, so any number of groups
-    on any number of ranks gives the one-worker gradient (``Learner.step``).
+    ``config["settings"]``: the ``LoopSettings`` the launcher built. Every rank trains on its share of the
+    step's groups (whole groups: the advantages are per group; ``rank_share``) over the step's global
+    divisor, so any number of groups on any number of ranks gives the one-worker gradient (``Learner.step``).
     """
     import json
 
@@ -177,16 +196,17 @@ def train_loop(config: dict[str, Any]) -> None:  # pragma: no mutate block
     from osvl.train.deepspeed import hidden_size, load_trainable
     from osvl.train.device import all_reduce
 
-    cfg: RLConfig = config["rl"]
-    lc = config["learner"]
+    st = config["settings"]
+    cfg: RLConfig = st.rl
+    lc = st.learner
     torch.set_num_threads(lc.threads_per_worker)
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
-    torch.manual_seed(config["seed"] + rank)
-    model_dir = storage.attach(config["model_dir"])  # a location: this node may hold no copy yet
-    image_dir = storage.attach(config["image_dir"])
+    torch.manual_seed(st.run.seed + rank)
+    model_dir = storage.attach(st.model_dir)  # a location: this node may hold no copy yet
+    image_dir = storage.attach(st.image_dir)
     # the run folder as this node sees it (the driver's mirror, or a fresh one on another node)
-    run_folder = storage.attach(config["run"])
+    run_folder = storage.attach(st.run_folder)
     ckpt_root, log_path = run_folder / "checkpoints", run_folder / "steps.jsonl"
     rehearsal.install(lc.rehearsal, run_folder, rank)
     ds_cfg = learner_ds_config(cfg, zero_stage=lc.zero_stage, world=world,
@@ -200,8 +220,8 @@ def train_loop(config: dict[str, Any]) -> None:  # pragma: no mutate block
     ref = reference_model(model_dir, cfg, ds_cfg, policy=model)
     engine = make_engine(model, cfg, config=ds_cfg)
     rehearsal.note_peak("load")
-    learner = Learner(engine, cfg, ref_model=ref, temperature=config["temperature"])
-    buffer, store = config["buffer"], config["store"]
+    learner = Learner(engine, cfg, ref_model=ref, temperature=st.temperature)
+    buffer, store = st.buffer, st.store
     # the newest complete checkpoint (at the run root when it is remote), every rank's shards on every node
     resume = ckpt.resume_point(ckpt_root, rank, ctx.get_local_rank(), world)
     if rank == 0 and ray.get(buffer.begin_learner.remote()) > 0:
@@ -249,13 +269,12 @@ def train_loop(config: dict[str, Any]) -> None:  # pragma: no mutate block
 
     sync_s = push(learner.step_count)
     if rank == 0:
-        record_limits(config["recorder"], cfg, config["max_staleness"])
+        record_limits(st.recorder, cfg, st.max_staleness)
     log = open(log_path, "a") if rank == 0 else None  # noqa: SIM115 - closed below
     # the step rows' numbers to TensorBoard (W&B, MLflow: run.tracking) from rank 0, the writer of steps.jsonl
-    tracker = Tracker.for_run(run_folder, config["tracking"], job="grpo") if rank == 0 and "tracking" in config \
-        else Tracker.disabled()
+    tracker = Tracker.for_run(run_folder, st.run, job="grpo") if rank == 0 else Tracker.disabled()
     try:
-        while learner.step_count + learner.skipped < config["steps"]:
+        while learner.step_count + learner.skipped < st.steps:
             step = learner.step_count + learner.skipped
             t_wait = time.perf_counter()
             groups = take(step)
@@ -271,14 +290,14 @@ def train_loop(config: dict[str, Any]) -> None:  # pragma: no mutate block
             else:  # every group of the step dropped: nothing to learn from, the step still counts
                 learner.skipped += 1
                 res = None
-            if (step + 1) % config["weights_every"] == 0 or step + 1 == config["steps"]:
-                sync_s = push(learner.step_count + learner.skipped, last=step + 1 == config["steps"])
-            if (step + 1) % config["ckpt_every"] == 0 or step + 1 == config["steps"]:
+            if (step + 1) % st.weights_every == 0 or step + 1 == st.steps:
+                sync_s = push(learner.step_count + learner.skipped, last=step + 1 == st.steps)
+            if (step + 1) % st.ckpt_every == 0 or step + 1 == st.steps:
                 if world > 1:
                     dist.barrier()
                 # every rank stores its own shards at the run root; complete once rank 0's marker is there
                 ckpt.save(engine, ckpt_root, step + 1, learner, buffer, processor, rank, world,
-                          keep=config["keep"], local_rank=ctx.get_local_rank())
+                          keep=st.keep, local_rank=ctx.get_local_rank())
             if rank == 0:
                 row = step_row(step, groups, res, wait_s, sync_s, ray.get(buffer.stats.remote()))
                 row["weights"] = dict(publisher.stats)  # counters; sha256 on the last step
@@ -287,8 +306,8 @@ def train_loop(config: dict[str, Any]) -> None:  # pragma: no mutate block
                 storage.publish(run_folder, "steps.jsonl")
                 tracker.log(row, row["step"])  # reward, fatal_rate, loss, kl, ... and the weights/ counters
                 tracker.publish()
-                record_metrics(config["recorder"], row, config["steps"])
-                if (step + 1) % config["ckpt_every"] == 0 or step + 1 == config["steps"]:  # the last step is one
+                record_metrics(st.recorder, row, st.steps)
+                if (step + 1) % st.ckpt_every == 0 or step + 1 == st.steps:  # the last step is one
                     draw_curves(log_path)
         ckpt.wait_uploads()  # the run is done once its last checkpoint is stored and marked at the run root
     finally:

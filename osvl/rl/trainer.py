@@ -236,7 +236,7 @@ def train(parts: GRPOParts, model_dir: str | Path, questions: list[dict[str, Any
     from osvl.metrics import Recorder
     from osvl.rl import checkpoint as ckpt
     from osvl.rl.buffer import TrajectoryBuffer
-    from osvl.rl.learner_loop import train_loop
+    from osvl.rl.learner_loop import LoopSettings, train_loop
     from osvl.rl.placement import make_learner, rollout_actor_class, start_learner
     from osvl.rl.rollout import RolloutWorker
     from osvl.rl.weights import WeightStore, check_transport
@@ -288,18 +288,16 @@ def train(parts: GRPOParts, model_dir: str | Path, questions: list[dict[str, Any
             name, rc, where["model"], questions_ref, where["questions"], where["images"], buffer, store,
             parts.rl.group_size, parts.rl.mask_at, rec)
 
-    loop_config = {"rl": parts.rl, "model_dir": where["model"], "image_dir": where["images"], "buffer": buffer,
-                   "store": store, "steps": tc.steps, "run": storage.location(out),
-                   "ckpt_every": tc.ckpt_every, "keep": tc.keep,
-                   "weights_every": tc.weights_every, "seed": parts.run.seed,
-                   "temperature": parts.rollout.agent.temperature, "recorder": rec,
-                   "max_staleness": tc.max_staleness, "learner": parts.learner,
-                   "tracking": parts.run}  # run.tracking: where rank 0 logs the step rows (osvl/tracking.py)
+    settings = LoopSettings(rl=parts.rl, learner=parts.learner, run=parts.run, model_dir=where["model"],
+                            image_dir=where["images"], run_folder=storage.location(out), buffer=buffer, store=store,
+                            recorder=rec, steps=tc.steps, ckpt_every=tc.ckpt_every, keep=tc.keep,
+                            weights_every=tc.weights_every, temperature=parts.rollout.agent.temperature,
+                            max_staleness=tc.max_staleness)
     t0 = time.perf_counter()
     # the learner's GPUs are reserved before any rollout actor's (osvl/rl/placement.py): actors SPREAD first
     # would take GPUs on every node and split the learner's group; its train loop publishes the weights
     # and then waits for the actors' groups in buffer.take
-    learner = start_learner(make_learner(train_loop, loop_config, parts.learner, out))
+    learner = start_learner(make_learner(train_loop, {"settings": settings}, parts.learner, out))
     actors = {f"rollout{i}": make_actor(f"rollout{i}") for i in range(rc.num_actors)}
     monitor = Monitor(make_actor, buffer, actors, log_path, print_row or (lambda row: None), tc.max_actor_restarts,
                       log, rec)
