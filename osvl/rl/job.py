@@ -185,8 +185,9 @@ def run(cfg: GRPOConfig, log: Callable[[str], None] = logger.info) -> dict[str, 
             grpo_eval.write_text(json.dumps({"checkpoint": name, "scores": after}))
     held = heldout_report(heldout, before, after)
     if before or after:  # the held-out figures as bars beside the curves (the README's picture of the demo)
-        pass_at_1_bars({label: {m: sum(sc[m]) / len(heldout) for m in EVAL_MODES}
-                        for label, sc in (("after SFT", before), ("after GRPO", after)) if sc},
+        pass_at_1_bars({label: {"agentic": held[f"pass1_{side}"], "direct": held[f"direct_{side}"]}
+                        for label, side in (("after SFT", "sft"), ("after GRPO", "grpo"))
+                        if held[f"pass1_{side}"] is not None},
                        out / "pass_at_1.png", title=f"Held-out Pass@1 ({len(heldout)} questions, greedy)")
     st = res["buffer"]
     summary.update(held, seconds=time.perf_counter() - t0, train_s=res["seconds"],
