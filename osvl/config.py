@@ -410,14 +410,14 @@ def run_dir(cfg: Any, job: str) -> Path:
 BARE_FLAGS = frozenset({"help", "print_config"})  # flags that never take a value
 
 
-def normalize_args(argv: Sequence[str], bare: frozenset[str] | set[str] = BARE_FLAGS) -> list[str]:
+def normalize_args(argv: Sequence[str]) -> list[str]:
     """Command-line arguments as ``--key=value``: ``--key value`` joined, a lone ``--key`` (a bool) read as
-    ``--key=true``, ``-h`` as ``--help``. Keys in ``bare`` stay as they are (``--help``, ``--print_config``)."""
+    ``--key=true``, ``-h`` as ``--help``. ``BARE_FLAGS`` stay as they are (``--help``, ``--print_config``)."""
     out, i = [], 0
     while i < len(argv):
         arg = "--help" if argv[i] == "-h" else argv[i]
         key = arg[2:]
-        if not arg.startswith("--") or "=" in arg or key in bare:
+        if not arg.startswith("--") or "=" in arg or key in BARE_FLAGS:
             out.append(arg)
         elif i + 1 < len(argv) and not argv[i + 1].startswith("--") and argv[i + 1] != "-h":  # "-1" is a value
             out.append(f"{arg}={argv[i + 1]}")
