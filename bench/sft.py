@@ -28,8 +28,8 @@ from osvl.agent.trajectory import TrajectoryBuilder, write_trajectories
 from osvl.config import parse_args
 from osvl.models.load import load_processor
 from osvl.models.tiny import tiny_checkpoint
+from osvl.sft.job import JOB, SftConfig, run
 from osvl.tools.registry import all_tools
-from osvl.train.sft import JOB, SftConfig, run
 
 
 def make_data(out: Path, rows: int) -> None:

@@ -68,9 +68,9 @@ SUB_JOBS = ("--synth.", "--trajectories.", "--sft.")
 
 def sub_job_configs() -> dict[str, type]:
     """The config class of each sub-job whose overrides GRPOConfig carries (its synth/trajectories/sft dicts)."""
+    from osvl.sft.job import SftConfig
     from osvl.synth.expert import TrajConfig
     from osvl.synth.pipeline import SynthConfig
-    from osvl.train.sft import SftConfig
 
     return {"synth": SynthConfig, "trajectories": TrajConfig, "sft": SftConfig}
 

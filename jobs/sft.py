@@ -1,4 +1,4 @@
-"""Supervised fine-tuning on agent trajectories: Ray Train + DeepSpeed ZeRO (see osvl/train/sft.py).
+"""Supervised fine-tuning on agent trajectories: Ray Train + DeepSpeed ZeRO (see osvl/sft/job.py).
 
     python jobs/sft.py                         # demo: tiny model on the demo teacher trajectories, 2 workers, ZeRO-2
     python jobs/sft.py --profile=production    # a released VLM on GPUs, ZeRO-3, bf16
@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from osvl.config import cli  # noqa: E402
 from osvl.logs import start_job  # noqa: E402
-from osvl.train.sft import JOB, SftConfig, run  # noqa: E402
+from osvl.sft.job import JOB, SftConfig, run  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -29,12 +29,12 @@ def _jobs() -> dict[str, tuple[str, type]]:
     from osvl.kg.dump import BuildKGConfig
     from osvl.rl.job import JOB as GRPO
     from osvl.rl.job import GRPOConfig
+    from osvl.sft.job import SftConfig
+    from osvl.sft.loop import JOB as SFT
     from osvl.synth.expert import JOB as TRAJ
     from osvl.synth.expert import TrajConfig
     from osvl.synth.pipeline import JOB as SYNTH
     from osvl.synth.pipeline import SynthConfig
-    from osvl.train.sft import SftConfig
-    from osvl.train.sft_loop import JOB as SFT
     from serve.agent_app import AgentServeConfig
 
     return {"grpo": (GRPO, GRPOConfig), "eval": (EVAL, EvalConfig), "synthesize": (SYNTH, SynthConfig),

@@ -86,7 +86,7 @@ def test_a_misspelt_key_is_one_line_and_exit_code_2(runs, entry):
 
 
 def test_key_space_value_reads_as_key_equals_value():
-    from osvl.train.sft import JOB, SftConfig
+    from osvl.sft.job import JOB, SftConfig
 
     assert normalize_args(["--lr", "0.01", "--bf16", "--run.seed", "-1", "-h", "--print_config"]) == [
         "--lr=0.01", "--bf16=true", "--run.seed=-1", "--help", "--print_config"]
@@ -99,7 +99,7 @@ def test_key_space_value_reads_as_key_equals_value():
 
 def test_print_config_prints_what_the_job_logs(capsys):
     from osvl.logs import start_job
-    from osvl.train.sft import JOB, SftConfig
+    from osvl.sft.job import JOB, SftConfig
 
     argv = ["--lr", "0.02", "--max_steps=7"]
     start_job(SftConfig, JOB, argv)

@@ -239,8 +239,8 @@ def test_grpo_pass_at_1_and_sft_format_check_run_through_the_core(questions, mon
     from osvl.agent.loop import AgentConfig
     from osvl.models.tiny import tiny_checkpoint
     from osvl.rl.rollout import RolloutConfig, _eval_episodes, heldout_scores
+    from osvl.sft.format_check import first_turns, format_check
     from osvl.tools import text_search
-    from osvl.train.format_check import first_turns, format_check
 
     qdir = questions
     rows = pq.read_table(qdir / "sft.parquet").to_pylist()[:2]
@@ -396,8 +396,8 @@ def test_the_format_checks_client_answers_a_tool_call_without_running_it():
     from osvl.agent.loop import AgentConfig
     from osvl.models.load import load_processor
     from osvl.models.tiny import tiny_checkpoint
+    from osvl.sft.format_check import _NotRun
     from osvl.tools.registry import offered_tools
-    from osvl.train.format_check import _NotRun
 
     class Calls(Answers):
         async def chat(self, messages, images, sampling) -> str:

@@ -139,7 +139,7 @@ def test_the_grpo_job_builds_its_records_with_the_rollouts_search_engine(tmp_pat
     taught (docs/design.md, "One search engine for records, rollouts and evaluation")."""
     from osvl.config import config_hash, upstream_config
     from osvl.rl.job import records_config
-    from osvl.train import sft
+    from osvl.sft import job as sft
 
     cfg = parse_args(GRPOConfig, JOB, [f"--run.root={tmp_path}"])
     scfg = upstream_config(sft.SftConfig, sft.JOB, cfg.run, cfg.sft)

@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from osvl.config import parse_args
-from osvl.train.sft import JOB, SftConfig, loss_curve, run
-from osvl.train.sft_data import is_val
-from osvl.train.sft_loop import lr_lambda
+from osvl.sft.data import is_val
+from osvl.sft.job import JOB, SftConfig, loss_curve, run
+from osvl.sft.loop import lr_lambda
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -204,7 +204,7 @@ def test_records_of_another_tokenizer_are_refused(trajectories, tmp_path, monkey
     the tiny tokenizer whatever model SFT trained)."""
     from osvl.errors import DataError
     from osvl.models import tiny
-    from osvl.train.sft_data import check_tokenizer, parquet_files
+    from osvl.sft.data import check_tokenizer, parquet_files
 
     files, _ = parquet_files(trajectories)
     check_tokenizer(files[0], str(tiny.tiny_checkpoint("qwen3_vl")))  # its own tokenizer: accepted
@@ -218,7 +218,7 @@ def test_records_of_another_tokenizer_are_refused(trajectories, tmp_path, monkey
 def test_rows_longer_than_max_len_are_counted_before_training(trajectories):
     """The count the driver warns with: a row cut at max_len loses its last turn, the answer."""
     from osvl.agent.trajectory import read_trajectories
-    from osvl.train.sft_data import long_rows, parquet_files
+    from osvl.sft.data import long_rows, parquet_files
 
     files, _ = parquet_files(trajectories)
     lengths = sorted(len(t.input_ids) for f in files for t in read_trajectories(f))

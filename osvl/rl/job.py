@@ -90,8 +90,8 @@ def prepare(cfg: GRPOConfig, log: Callable[[str], None] = logger.info) -> tuple[
         from osvl.models.load import model_location  # here: transformers takes seconds to import, and a config
         #                                              error at start must not wait for it
         return qdir, model_location(cfg.model)
+    from osvl.sft import job as sft
     from osvl.synth import expert
-    from osvl.train import sft
 
     scfg = upstream_config(sft.SftConfig, sft.JOB, cfg.run, cfg.sft)
     tcfg = records_config(cfg, qdir, scfg)
@@ -113,8 +113,8 @@ def records_config(cfg: GRPOConfig, qdir: Path, scfg: Any) -> Any:
     so the records offer ``rollout.offer``; the records' observations must be the ones the rollouts' tools
     return for the same queries, so they search with ``rollout.text_search``."""
     from osvl.config import upstream_config
+    from osvl.sft import job as sft
     from osvl.synth import expert
-    from osvl.train import sft
 
     if "text_search" in cfg.trajectories.get("tools", {}):
         raise ConfigError("set rollout.text_search, not trajectories.tools.text_search: the records and the "

@@ -1,6 +1,6 @@
 """DeepSpeed under Ray Train: ZeRO configs, the engine set-up, checkpoints, the trainer.
 
-SFT (``osvl/train/sft.py``) and the GRPO learner share every function here, so both train the
+SFT (``osvl/sft/job.py``) and the GRPO learner share every function here, so both train the
 same way on a laptop (gloo, fp32, a handful of CPU cores) and on a GPU cluster (NCCL, bf16).
 
 Choices and why:

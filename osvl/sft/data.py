@@ -1,6 +1,6 @@
 """SFT's input: trajectory part files, the question-level validation split, Ray Data splits and batches.
 
-The data order is a function of the data and ``(seed, epoch)`` only (see ``osvl/train/sft.py``),
+The data order is a function of the data and ``(seed, epoch)`` only (see ``osvl/sft/job.py``),
 so a resumed run reproduces it by skipping the micro-batches already done.
 """
 

@@ -40,10 +40,10 @@ from typing import Any, Literal
 from osvl.config import RunConfig, opt
 from osvl.errors import ConfigError, DataError
 from osvl.models.tiny import TinyKind, checkpoint_name
+from osvl.sft.data import check_tokenizer, count_rows, load_split, long_rows, parquet_files
+from osvl.sft.loop import JOB, draw_curves, train_loop
 from osvl.tracking import tracked
 from osvl.train.rehearsal import Rehearsal
-from osvl.train.sft_data import check_tokenizer, count_rows, load_split, long_rows, parquet_files
-from osvl.train.sft_loop import JOB, draw_curves, train_loop
 
 logger = logging.getLogger(__name__)
 
@@ -225,7 +225,7 @@ def run(cfg: SftConfig, *, log: Callable[[str], None] = logger.info) -> dict[str
                               "resumed_at": resumed,
                               "final": lines[max(lines)], "config": to_dict(cfg)}
     if cfg.data.n_eval > 0:
-        from osvl.train.format_check import format_check, heldout_path
+        from osvl.sft.format_check import format_check, heldout_path
 
         held = heldout_path(cfg.data.heldout, data_dir)
         if held is None:

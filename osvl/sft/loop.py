@@ -1,6 +1,6 @@
 """SFT's Ray Train worker: the DeepSpeed engine, the deterministic data stream, checkpoints, metrics.
 
-The loss, the data order and the checkpoints are described in ``osvl/train/sft.py``; the driver
+The loss, the data order and the checkpoints are described in ``osvl/sft/job.py``; the driver
 there starts ``train_loop`` on every worker.
 """
 
@@ -16,10 +16,10 @@ from typing import TYPE_CHECKING
 
 from osvl.errors import DataError
 from osvl.logs import Progress
-from osvl.train.sft_data import global_batches
+from osvl.sft.data import global_batches
 
 if TYPE_CHECKING:
-    from osvl.train.sft import SftConfig
+    from osvl.sft.job import SftConfig
 
 logger = logging.getLogger(__name__)
 
