@@ -13,7 +13,8 @@ LINE = re.compile(r"^\d\d:\d\d:\d\d (DEBUG|INFO|WARNING|ERROR) [\w.]+: ")
 
 
 def _job(*args: str, tmp: Path) -> subprocess.CompletedProcess:
-    """jobs/build_kg.py on a missing input: it logs its config, then stops with a ConfigError (one line, exit 2) before any cluster."""
+    """jobs/build_kg.py on a missing input: it logs its config, then stops with a ConfigError (one line, exit 2)
+    before any cluster."""
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     env.pop("OSVL_LOG_LEVEL", None)
     return subprocess.run([sys.executable, "jobs/build_kg.py", f"--input={tmp}/missing.xml.bz2",
