@@ -1,6 +1,6 @@
 """The four GRPO modes compared: same SFT'd model, same questions, same steps, N seeds each.
 
-Every run is the GRPO job's own machinery (``osvl.rl.job.prepare`` builds or reuses the
+Every run is the GRPO job's own machinery (``osvl.recipe.grpo_inputs`` builds or reuses the
 questions and the SFT'd model once, as ``jobs/grpo.py`` does; ``train`` runs each mode and
 seed; ``pass_at_1`` scores the held-out questions greedily), so the modes share one
 environment (rollout budgets, fatal rule, reward and judges, buffer) and differ only in
@@ -31,7 +31,7 @@ meets the same outages in every mode. Held-out Pass@1 is measured without them.
                                        [--outages=0.3] [--scripted] [--section.key=value ...]
 
 The outage run docs/measurements.md reports ("The four modes with tool outages") was fixed in this
-docstring and committed before it ran, after ``make demo`` in the same clone (so ``prepare`` reuses the
+docstring and committed before it ran, after ``make demo`` in the same clone (so ``grpo_inputs`` reuses the
 demo's SFT'd policy): the demo profile as committed (no planted teacher behaviour, the process filter on),
 outages at the controlled experiment's rate, 5 seeds, 20 steps and 200 held-out questions so that the 20
 runs fit 150 minutes on the 2 cores::
@@ -92,10 +92,10 @@ def one_run(cfg, mode: str, seed: int, model: Path, qdir: Path, questions: list[
         scores = heldout_scores(Path(res["checkpoint"]) / "hf", heldout, qdir / "images", cfg.rollout,
                                 cfg.eval.concurrency, workers=cfg.eval.workers)["agentic"]
         pass1 = statistics.fmean(scores)
-    split = s["clamped"] + s["kept_positive"]
-    return {"mode": mode, "seed": seed, "rewards": [r["reward"] for r in res["rows"]], "reward_last10": s["last_mean"],
-            "pass1": pass1, "scores": scores, "fatal_rate": s["fatal_rate"],
-            "fatal_positive": s["kept_positive"] / split if split else float("nan"),
+    split = s.clamped + s.kept_positive
+    return {"mode": mode, "seed": seed, "rewards": [r["reward"] for r in res["rows"]], "reward_last10": s.last_mean,
+            "pass1": pass1, "scores": scores, "fatal_rate": s.fatal_rate,
+            "fatal_positive": s.kept_positive / split if split else float("nan"),
             "dropped": res["buffer"]["dropped"], "seconds": time.perf_counter() - t0}
 
 
@@ -103,7 +103,8 @@ def main() -> None:
     from osvl.cluster import init_ray
     from osvl.config import parse_args, run_dir, script_flags
     from osvl.plots import reward_curves
-    from osvl.rl.job import JOB, GRPOConfig, prepare
+    from osvl.recipe import GRPOJobConfig, grpo_inputs
+    from osvl.rl.job import JOB
     from osvl.rl.rollout import heldout_scores
     from osvl.rl.trainer import heldout_questions, read_questions
 
@@ -120,10 +121,10 @@ def main() -> None:
         extra += [f"--questions={qdir}", f"--model={tiny_agent_checkpoint()}", "--rollout.offer=crop,text_search",
                   f"--rollout.schemas={schemas}", "--rollout.agent.max_turns=3", "--rollout.agent.max_new_tokens=64",
                   "--rollout.agent.max_episode_tokens=2048", "--rl.group_size=2"]
-    cfg = parse_args(GRPOConfig, JOB, extra + job_args)
+    cfg = parse_args(GRPOJobConfig, JOB, extra + job_args)
     cfg.rollout.check()
     init_ray(num_cpus=max(3, int(cfg.rollout.num_actors * cfg.rollout.cpus_per_actor) + 2))
-    qdir, model = prepare(cfg, log=lambda m: print(m, flush=True))  # built once, reused by every mode and seed
+    qdir, model = grpo_inputs(cfg, log=lambda m: print(m, flush=True))  # built once, reused by every mode and seed
     questions = sorted(read_questions(qdir / "rl.parquet"), key=lambda r: r["id"])
     if cfg.max_questions:
         questions = questions[:cfg.max_questions]

@@ -5,7 +5,7 @@ greedy answers").
 
 Held-out Pass@1 after 40 GRPO steps costs a whole job and moves by a few questions of 100; this
 measures the mechanism behind it in minutes. It builds or reuses the questions and the SFT'd model
-as ``jobs/grpo.py`` does (``osvl.rl.job.prepare``; other flags are that job's, e.g. ``--rl.lr=3e-5``),
+as ``jobs/grpo.py`` does (``osvl.recipe.grpo_inputs``; other flags are that job's, e.g. ``--rl.lr=3e-5``),
 then, in this process:
 
 1. samples G episodes at the rollouts' temperature on ``--groups`` RL questions (a seeded draw) and one
@@ -116,17 +116,18 @@ def main() -> None:
     from osvl.cluster import init_ray
     from osvl.config import parse_args, script_flags
     from osvl.models.load import load_model, load_processor
-    from osvl.rl.job import JOB, GRPOConfig, prepare
+    from osvl.recipe import GRPOJobConfig, grpo_inputs
+    from osvl.rl.job import JOB
     from osvl.rl.learner import Learner, learner_ds_config, make_engine
     from osvl.rl.learner_loop import rank_share, reference_model, rl_batch
     from osvl.rl.trainer import heldout_questions, read_questions
 
     flag, job_args = script_flags(sys.argv[1:], {"groups": 64, "steps": 20, "every": 5}, rest=True)
     n_groups, steps, every = flag["groups"], flag["steps"], flag["every"]
-    cfg = parse_args(GRPOConfig, JOB, job_args)
+    cfg = parse_args(GRPOJobConfig, JOB, job_args)
     cfg.rollout.check()
     init_ray(num_cpus=3)
-    qdir, model_dir = prepare(cfg, log=lambda m: print(m, flush=True))
+    qdir, model_dir = grpo_inputs(cfg, log=lambda m: print(m, flush=True))
     rl_all = sorted(read_questions(qdir / "rl.parquet"), key=lambda r: r["id"])
     pick = np.random.default_rng(cfg.run.seed).permutation(len(rl_all))[:n_groups]
     rl_rows = [rl_all[int(i)] for i in pick]

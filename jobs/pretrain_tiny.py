@@ -33,35 +33,52 @@ from osvl.models.pretrain import BASE_KIND, JOB, PretrainConfig, corpus_rows, ex
 
 if TYPE_CHECKING:
     from osvl.config import RunConfig
-    from osvl.rl.job import GRPOConfig
+    from osvl.recipe import GRPOJobConfig
 
 
-def demo_trajectories(run: RunConfig, grpo: GRPOConfig, split: str, n: int,
+def demo_trajectories(run: RunConfig, grpo: GRPOJobConfig, split: str, n: int,
                       synth: dict[str, Any] | None = None) -> tuple[Path, set[str]]:
     """The oracle's trajectories (one rollout each) of the first ``n`` (0: every) questions of ``split`` under the
     data recipe of ``grpo`` (a GRPO profile's config, ``grpo_recipe``: its ``synth`` and ``trajectories``
-    sections; ``synth``, when given, replaces the former: a card's record of the recipe its policy was made
-    with), built or reused under ``run.root``, and the titles of the held-out and dev splits' entities. The committed
-    policy's test rebuilds its probe with it."""
+    sections; ``synth``, when given, is applied to the synthesize job's demo profile instead: a card's record
+    of the recipe its policy was made with), built or reused under ``run.root``, and the titles of the held-out
+    and dev splits' entities. The committed policy's test rebuilds its probe with it."""
+    import dataclasses
+
+    from osvl import recipe
     from osvl.config import upstream_config
     from osvl.synth import expert, pipeline
 
-    scfg = upstream_config(pipeline.SynthConfig, pipeline.JOB, run, grpo.synth if synth is None else synth)
-    qdir, _ = pipeline.run(scfg)
-    tcfg = upstream_config(expert.TrajConfig, expert.JOB, run, {
-        "questions": str(qdir), "offer": list(grpo.rollout.offer), **grpo.trajectories,
-        "split": split, "max_questions": n, "n_teacher_rollouts": 1, "tiny_kind": BASE_KIND})
+    scfg = grpo.synth if synth is None else upstream_config(pipeline.SynthConfig, pipeline.JOB, run, synth)
+    qdir = recipe.questions(run, scfg)
+    tcfg = dataclasses.replace(grpo.trajectories, run=recipe.stage_run(run), questions=str(qdir),
+                               offer=list(grpo.rollout.offer), split=split, max_questions=n, n_teacher_rollouts=1,
+                               tiny_kind=BASE_KIND)
     # the corpus shows nothing of the entities questions are scored on: held-out, nor dev where settings are tuned
     return expert.run(tcfg)[0] / "trajectories.parquet", pipeline.split_titles(scfg, "heldout", "dev")
 
 
-def grpo_recipe(grpo_profile: str) -> GRPOConfig:
+def grpo_recipe(grpo_profile: str) -> GRPOJobConfig:
     """The GRPO profile's config: its ``synth`` and ``trajectories`` sections are the demo's data recipe."""
     from osvl.config import parse_args
-    from osvl.rl.job import GRPOConfig
-    from osvl.rl.trainer import JOB as GRPO_JOB
+    from osvl.recipe import GRPOJobConfig
+    from osvl.rl.job import JOB as GRPO_JOB
 
-    return parse_args(GRPOConfig, GRPO_JOB, [f"--profile={grpo_profile}"])
+    return parse_args(GRPOJobConfig, GRPO_JOB, [f"--profile={grpo_profile}"])
+
+
+def recipe_entries(synth: Any) -> dict[str, Any]:
+    """The entries of a GRPO profile's synth section that differ from the synthesize job's demo profile (its run
+    aside): the data recipe as a card records it, small and free of this machine's paths."""
+    from osvl.config import parse_args, to_dict
+    from osvl.synth.pipeline import JOB as SYNTH_JOB
+    from osvl.synth.pipeline import SynthConfig
+
+    def diff(got: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
+        return {k: (diff(v, base[k]) if isinstance(v, dict) else v) for k, v in got.items()
+                if k != "run" and v != base[k]}
+
+    return diff(to_dict(synth), to_dict(parse_args(SynthConfig, SYNTH_JOB, [])))
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -95,7 +112,7 @@ def main(argv: list[str] | None = None) -> dict:
         # the recipe as trained on: the profile may change before a later rerun exports this run
         report = train(cfg, rows, base, out, extra={"trajectories": str(tpath.parent), "heldout_entities": len(held),
                                                  "rows_over_max_len": n_cut,
-                                                 "synth": grpo.synth},
+                                                 "synth": recipe_entries(grpo.synth)},
                        probe=probe)
     print(f"pretrain_tiny: {report['rows']} rows ({report['tokens']:,} tokens; {len(held)} held-out entities cut "
           f"out; {n_cut} rows cut at max_len={cfg.max_len}), {cfg.steps} steps in {report['seconds'] / 60:.1f} min, "

@@ -19,12 +19,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from osvl.config import cli  # noqa: E402
 from osvl.logs import start_job  # noqa: E402
-from osvl.sft.job import JOB, SftConfig, run  # noqa: E402
+from osvl.recipe import run_sft  # noqa: E402
+from osvl.sft.job import JOB, SftConfig  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> dict:
     cfg = start_job(SftConfig, JOB, argv)
-    report = run(cfg)
+    report = run_sft(cfg)
     print(json.dumps({k: v for k, v in report.items() if k != "config"}), flush=True)
     return report
 

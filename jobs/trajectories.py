@@ -16,12 +16,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 from osvl.config import cli  # noqa: E402
 from osvl.logs import start_job  # noqa: E402
-from osvl.synth.expert import JOB, TrajConfig, run  # noqa: E402
+from osvl.recipe import run_trajectories  # noqa: E402
+from osvl.synth.expert import JOB, TrajConfig  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> None:
     cfg = start_job(TrajConfig, JOB, argv)
-    run(cfg)
+    run_trajectories(cfg)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import hashlib
+import inspect
 import json
 import os
 import sys
@@ -59,11 +60,12 @@ def opt(default: Any, doc: str, *, hashed: bool = True, hash_as: Callable[[Any],
     """Declare a config field with its documentation (shown by ``--help``).
 
     Mutable defaults (lists, dicts, nested configs) are wrapped in a factory so
-    that two config objects never share one list. ``hash_as`` maps the value to what the run
-    hash sees, for a name whose meaning can change under it (a tiny model kind: its weights).
+    that two config objects never share one list; a function as ``default`` is that factory (an upstream
+    stage's section starts from that job's profile: ``osvl.recipe``). ``hash_as`` maps the value to what
+    the run hash sees, for a name whose meaning can change under it (a tiny model kind: its weights).
     """
     meta = {"doc": doc, "hashed": hashed, **({"hash_as": hash_as} if hash_as else {})}
-    if dataclasses.is_dataclass(default) and isinstance(default, type):
+    if inspect.isfunction(default) or dataclasses.is_dataclass(default) and isinstance(default, type):
         return dataclasses.field(default_factory=default, metadata=meta)
     if isinstance(default, list | dict) or dataclasses.is_dataclass(default):
         import copy

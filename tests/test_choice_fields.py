@@ -27,8 +27,8 @@ def _jobs() -> dict[str, tuple[str, type]]:
     from osvl.eval.job import EvalConfig
     from osvl.kg.dump import JOB as BUILD_KG
     from osvl.kg.dump import BuildKGConfig
+    from osvl.recipe import GRPOJobConfig
     from osvl.rl.job import JOB as GRPO
-    from osvl.rl.job import GRPOConfig
     from osvl.sft.job import SftConfig
     from osvl.sft.loop import JOB as SFT
     from osvl.synth.expert import JOB as TRAJ
@@ -37,7 +37,7 @@ def _jobs() -> dict[str, tuple[str, type]]:
     from osvl.synth.pipeline import SynthConfig
     from serve.agent_app import AgentServeConfig
 
-    return {"grpo": (GRPO, GRPOConfig), "eval": (EVAL, EvalConfig), "synthesize": (SYNTH, SynthConfig),
+    return {"grpo": (GRPO, GRPOJobConfig), "eval": (EVAL, EvalConfig), "synthesize": (SYNTH, SynthConfig),
             "trajectories": (TRAJ, TrajConfig), "sft": (SFT, SftConfig), "build_kg": (BUILD_KG, BuildKGConfig),
             "ask": (ASK, AskConfig), "agent_app": ("agent_app", AgentServeConfig)}
 
@@ -126,9 +126,10 @@ def test_vllm_runs_bf16_with_cuda_graphs_on_gpu_and_exactly_on_cpu():
     (["--rollout.python="], "rollout.engine=vllm: vLLM is not installed in this environment"),  # this one has none
 ])
 def test_a_vllm_setting_that_would_fail_on_the_cluster_fails_at_start(flags, message):
-    from osvl.rl.job import JOB, GRPOConfig
+    from osvl.recipe import GRPOJobConfig
+    from osvl.rl.job import JOB
 
-    cfg = parse_args(GRPOConfig, JOB, ["--rollout.engine=vllm", f"--rollout.python={sys.executable}",
+    cfg = parse_args(GRPOJobConfig, JOB, ["--rollout.engine=vllm", f"--rollout.python={sys.executable}",
                                        "--rollout.agent.max_episode_tokens=16384", *flags])
     with pytest.raises(ConfigError) as err:
         cfg.rollout.check()

@@ -174,12 +174,13 @@ def test_rayjob_entrypoint_parses_as_the_grpo_job_with_storage_on_a_uri():
     import shlex
 
     from osvl.config import parse_args
-    from osvl.rl.job import JOB, GRPOConfig
+    from osvl.recipe import GRPOJobConfig
+    from osvl.rl.job import JOB
 
     doc = MANIFESTS["rayjob-grpo.yaml"]
     argv = shlex.split(doc["spec"]["entrypoint"])
     assert argv[0] == "python" and (REPO / argv[1]).is_file() and argv[1] == "jobs/grpo.py"
-    cfg = parse_args(GRPOConfig, JOB, argv[2:])
+    cfg = parse_args(GRPOJobConfig, JOB, argv[2:])
     assert re.match(r"(s3|gs|abfs)://", cfg.run.root), cfg.run.root
     groups = {tuple(_group_roles(g)): g for g in doc["spec"]["rayClusterSpec"]["workerGroupSpecs"]}
     learner_gpus = sum(int(g["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"])

@@ -1,12 +1,13 @@
 """Held-out evaluation bookkeeping: questions dealt over seed entities, Pass@1 with seed-clustered and paired SEs."""
 
+import dataclasses
 import math
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from osvl.rl.report import clustered_mean_se, held_line, heldout_report, mean_se
+from osvl.rl.report import clustered_mean_se, heldout_report, mean_se, summarize, summary_lines, verdict
 from osvl.rl.trainer import heldout_questions
 
 
@@ -42,7 +43,18 @@ def test_heldout_report_pairs_the_two_models_by_question():
     assert h["heldout"] == 8 and h["heldout_seeds"] == 4
     assert h["pass1_sft"] == 0.0 and h["pass1_grpo"] == 0.75 and h["pass1_diff"] == 0.75
     assert h["better"] == (0.75 > 2 * h["pass1_diff_se"]) and h["direct_grpo"] == 0.0
-    assert "after GRPO 0.750 ±" in held_line(h)
+    steps = [{"reward": 0.1 * k, "fatal_rate": 0.0, "staleness": {"0": 2}} for k in range(3)]
+    run = dataclasses.replace(summarize(steps), **h, mode="fatal_mask_clamp")
+    buffer = {"staleness": {"0": 6}}
+    assert "after GRPO 0.750 ±" in summary_lines(run, buffer, [])[-1]
     none = heldout_report(qs, before, None)
     assert none["pass1_grpo"] is None and none["pass1_diff"] is None and not none["better"]
-    assert "after GRPO n/a" in held_line(none)
+    half = dataclasses.replace(summarize(steps), **none, mode="vanilla")
+    assert "after GRPO n/a" in summary_lines(half, buffer, [])[-1] and "vanilla does not clamp" in \
+        summary_lines(half, buffer, [])[2]
+    # the job's last line: OK only with every step trained and both sides scored (or no held-out asked)
+    assert verdict("demo", run, 3, 8)[0] and verdict("demo", run, 3, 8)[1].startswith("demo: OK")
+    assert verdict("demo", run, 4, 8) == (False, f"demo: FAILED — 3 of 4 GRPO steps trained, held-out evaluation "
+                                                 f"done; see {run.out}")
+    assert not verdict("grpo", half, 3, 8)[0] and "evaluation missing" in verdict("grpo", half, 3, 8)[1]
+    assert verdict("grpo", half, 3, 0)[0]

@@ -1,11 +1,12 @@
 """The jobs' configs nest shared sections instead of mirroring them: the GRPO rollout's agent and reward
-sections, the difficulty filter inside the synthesize job's config, and typed sub-job overrides of
-jobs/grpo.py. Real profiles, real ``--help`` output, real run folders."""
+sections, the difficulty filter inside the synthesize job's config, and jobs/grpo.py's upstream stages as
+typed sections (osvl.recipe). Real profiles, real ``--help`` output, real run folders."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
+import typing
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,8 @@ from osvl.agent.loop import AgentConfig
 from osvl.agent.reward import RewardConfig
 from osvl.config import parse_args
 from osvl.errors import ConfigError
-from osvl.rl.job import JOB, GRPOConfig
+from osvl.recipe import GRPOJobConfig
+from osvl.rl.job import JOB
 from osvl.rl.rollout import RolloutConfig
 from osvl.synth.expert import TrajConfig
 
@@ -25,21 +27,21 @@ def test_rollout_holds_the_agent_and_reward_sections_the_trajectories_job_holds(
     rollout, traj = RolloutConfig(), TrajConfig()
     assert type(rollout.agent) is type(traj.agent) is AgentConfig
     assert type(rollout.reward) is type(traj.reward) is RewardConfig
-    cfg = parse_args(GRPOConfig, JOB, ["--rollout.agent.max_turns=5", "--rollout.reward.alpha=0.5"])
+    cfg = parse_args(GRPOJobConfig, JOB, ["--rollout.agent.max_turns=5", "--rollout.reward.alpha=0.5"])
     assert cfg.rollout.agent.max_turns == 5 and cfg.rollout.reward.alpha == 0.5
     with pytest.raises(ConfigError, match="rollout.max_turns"):  # the old mirrored key is gone
-        parse_args(GRPOConfig, JOB, ["--rollout.max_turns=5"])
+        parse_args(GRPOJobConfig, JOB, ["--rollout.max_turns=5"])
 
 
 def test_grpo_demo_profile_keeps_its_episode_budgets_and_reward():
     """The demo's effective values before the sections nested (its reward figures depend on them)."""
-    cfg = parse_args(GRPOConfig, JOB, [])
+    cfg = parse_args(GRPOJobConfig, JOB, [])
     episode, greedy = cfg.rollout.episode_agent(), cfg.rollout.episode_agent(greedy=True)
     assert (episode.max_turns, episode.max_new_tokens, episode.max_episode_tokens) == (6, 128, 3072)
     assert (episode.k, episode.stop_on_fatal, episode.temperature) == (3, True, 0.7)
     assert (cfg.rollout.reward.alpha, cfg.rollout.reward.fmt_scope) == (0.8, "episode")
     assert greedy.temperature == 0.0 and greedy.max_turns == 6  # held-out Pass@1: the same budgets, greedy
-    prod = parse_args(GRPOConfig, JOB, ["--profile=production"])
+    prod = parse_args(GRPOJobConfig, JOB, ["--profile=production"])
     assert (prod.rollout.agent.max_turns, prod.rollout.agent.max_new_tokens) == (16, 1024)
 
 
@@ -47,11 +49,11 @@ def test_rollout_check_asks_an_llm_judge_for_its_endpoint_and_refuses_bad_budget
     for flag in ("--rollout.reward.judge=llm", "--rollout.reward.judge=rule_then_llm",
                  "--rollout.reward.query_scorer=llm"):
         with pytest.raises(ConfigError, match="rollout.judge needs base_url and model"):
-            parse_args(GRPOConfig, JOB, [flag]).rollout.check()
-        parse_args(GRPOConfig, JOB, [flag, "--rollout.judge.base_url=http://127.0.0.1:9/v1",
+            parse_args(GRPOJobConfig, JOB, [flag]).rollout.check()
+        parse_args(GRPOJobConfig, JOB, [flag, "--rollout.judge.base_url=http://127.0.0.1:9/v1",
                                      "--rollout.judge.model=judge"]).rollout.check()
     with pytest.raises(ConfigError, match="max_turns"):
-        parse_args(GRPOConfig, JOB, ["--rollout.agent.max_turns=0"]).rollout.check()
+        parse_args(GRPOJobConfig, JOB, ["--rollout.agent.max_turns=0"]).rollout.check()
 
 
 def test_grpo_help_lists_the_nested_sections():
@@ -98,19 +100,27 @@ def _grpo_job():
     return module
 
 
-def test_sub_job_overrides_are_typed_by_the_sub_jobs_configs():
-    grpo = _grpo_job()
+def test_upstream_sections_are_typed_configs_of_their_jobs_from_their_demo_profiles():
+    """jobs/grpo.py's synth / trajectories / sft sections are the sub-jobs' own configs (no dict[str, Any]):
+    each starts from that job's demo profile, then the GRPO profile's entries, then the flags, each value
+    read by its field's type, as every other flag is."""
+    from osvl.sft.job import SftConfig
+    from osvl.synth.expert import TrajConfig
+    from osvl.synth.pipeline import SynthConfig
+
     args = ["--synth.walk.hops=2,3", "--synth.walk.hop_probs=0.5,0.5", "--sft.epochs=4", "--sft.max_len=1024",
             "--trajectories.agent.max_turns=12", "--trajectories.teacher.oracle.think=full"]
-    cfg = grpo.sub_job_overrides(parse_args(GRPOConfig, JOB, []), args)
-    assert cfg.synth["walk"] == {"hops": [2, 3], "hop_probs": [0.5, 0.5], "entity_answers": False}
-    assert cfg.synth["degrade"] == {"share": 0.0}  # the demo profile's entries stay beside the flags
-    assert cfg.sft["epochs"] == 4.0 and isinstance(cfg.sft["epochs"], float) and cfg.sft["max_len"] == 1024
-    assert cfg.trajectories["agent"] == {"max_turns": 12} and cfg.trajectories["max_questions"] == 1000
-    assert cfg.trajectories["teacher"]["oracle"] == {"top_k": 3, "think": "full", "wording": "fixed",
-                                                     "reorder_prob": 0.0, "copy_space": True, "verbatim": True,
-                                                     "in_order": True, "look_up": True, "look_up_top_k": 1,
-                                                     "quote": True}
+    cfg = parse_args(GRPOJobConfig, JOB, args)
+    assert isinstance(cfg.synth, SynthConfig) and isinstance(cfg.trajectories, TrajConfig)
+    assert isinstance(cfg.sft, SftConfig)
+    assert cfg.synth.walk.hops == [2, 3] and cfg.synth.walk.hop_probs == [0.5, 0.5]
+    assert cfg.synth.walk.entity_answers is False and cfg.synth.degrade.share == 0.0  # the GRPO profile's
+    assert cfg.sft.epochs == 4.0 and isinstance(cfg.sft.epochs, float) and cfg.sft.max_len == 1024
+    assert cfg.sft.lr == parse_args(SftConfig, "sft", []).lr  # what the GRPO profile leaves: jobs/sft.py's demo
+    assert cfg.trajectories.agent.max_turns == 12 and cfg.trajectories.max_questions == 1000
+    assert cfg.trajectories.teacher.oracle.think == "full" and cfg.trajectories.teacher.oracle.top_k == 3
+    hints = typing.get_type_hints(GRPOJobConfig)
+    assert not [name for name, tp in hints.items() if "dict[str, Any]" in str(tp) or tp is dict]
 
 
 @pytest.mark.parametrize(("flag", "message"), [
@@ -137,21 +147,23 @@ def test_the_grpo_job_builds_its_records_with_the_rollouts_search_engine(tmp_pat
     """The SFT records' observations must be what the rollouts' tools return for the same queries: records
     searched by BM25 and rollouts re-ranked by MiniLM gave the demo policy other hits for the queries it was
     taught (docs/design.md, "One search engine for records, rollouts and evaluation")."""
-    from osvl.config import config_hash, upstream_config
-    from osvl.rl.job import records_config
-    from osvl.sft import job as sft
+    from osvl.config import config_hash
+    from osvl.recipe import check, records_config
 
-    cfg = parse_args(GRPOConfig, JOB, [f"--run.root={tmp_path}"])
-    scfg = upstream_config(sft.SftConfig, sft.JOB, cfg.run, cfg.sft)
-    tcfg = records_config(cfg, tmp_path, scfg)
+    cfg = parse_args(GRPOJobConfig, JOB, [f"--run.root={tmp_path}"])
+    tcfg = records_config(cfg, tmp_path)
     assert tcfg.tools.text_search == cfg.rollout.text_search and not cfg.rollout.text_search.dense_rerank
-    assert tcfg.offer == cfg.rollout.offer == ["image_search", "text_search"]
+    assert tcfg.offer == cfg.rollout.offer == ["image_search", "text_search"] and tcfg.questions == str(tmp_path)
     # the committed base as the profile names it, not this checkout's absolute path: the records' run hash
     # (and so the SFT run's) is the same in every clone and under `ray job submit --working-dir`
     assert tcfg.model == "osvl/models/weights/tiny_policy"
-    reranked = parse_args(GRPOConfig, JOB, [f"--run.root={tmp_path}", "--rollout.text_search.dense_rerank=true"])
-    other = records_config(reranked, tmp_path, scfg)
+    reranked = parse_args(GRPOJobConfig, JOB, [f"--run.root={tmp_path}", "--rollout.text_search.dense_rerank=true"])
+    other = records_config(reranked, tmp_path)
     assert other.tools.text_search.dense_rerank and config_hash(other) != config_hash(tcfg)
-    cfg.trajectories["tools"] = {"text_search": {"dense_rerank": True}}
-    with pytest.raises(ConfigError, match="set rollout.text_search"):
-        records_config(cfg, tmp_path, scfg)
+    check(cfg)  # the profile sets no recipe input
+    for flag, instead in [("--trajectories.tools.text_search.dense_rerank=true", "rollout.text_search"),
+                          ("--trajectories.offer=crop", "rollout.offer"), ("--trajectories.model=x", "sft.model"),
+                          ("--sft.data.trajectories=x", "the trajectories section"),
+                          ("--synth.run.seed=3", "run.seed")]:
+        with pytest.raises(ConfigError, match=f"set by the recipe from {instead}"):
+            check(parse_args(GRPOJobConfig, JOB, [f"--run.root={tmp_path}", flag]))

@@ -80,12 +80,15 @@ def test_lint_imports_keeps_the_layers_and_fails_on_a_planted_violation(tmp_path
     clean = _run(cmd, root)
     assert clean.returncode == 0, clean.stdout + clean.stderr
     assert "1 kept, 0 broken" in clean.stdout
-    # the agent loop (agent layer) importing the learner (rl layer, the top) breaks the contract
+    # the agent loop (agent layer) importing the learner (rl layer) breaks the contract, and so does the GRPO
+    # stage importing SFT: RL, evaluation and SFT are siblings, only osvl.recipe chains them
     _plant(root, "osvl.agent.loop", "from osvl.rl import learner")
+    _plant(root, "osvl.rl.job", "from osvl.sft import job as sft")
     broken = _run(cmd, root)
     assert broken.returncode != 0
     assert "osvl layers: each package imports only the layers below it BROKEN" in broken.stdout
     assert "osvl.agent.loop -> osvl.rl.learner" in broken.stdout
+    assert "osvl.rl.job -> osvl.sft.job" in broken.stdout
 
 
 def test_no_import_cycle(tmp_path):

@@ -251,10 +251,11 @@ def _round(scenario: str, sockets: bool) -> dict:
 
     from osvl.cluster import ROLE_RESOURCES
     from osvl.config import parse_args
-    from osvl.rl.job import JOB, GRPOConfig
+    from osvl.recipe import GRPOJobConfig
+    from osvl.rl.job import JOB
     from osvl.rl.placement import make_learner, rollout_actor_class, start_learner
 
-    cfg = parse_args(GRPOConfig, JOB, ["--profile=production", "--rollout.python=", *SCENARIOS[scenario]])
+    cfg = parse_args(GRPOJobConfig, JOB, ["--profile=production", "--rollout.python=", *SCENARIOS[scenario]])
     lc, rc = cfg.learner, cfg.rollout
 
     @ray.remote(num_cpus=0)

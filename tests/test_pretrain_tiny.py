@@ -138,14 +138,16 @@ def test_turn_probe_counts_a_turn_only_when_every_greedy_token_is_right():
 def test_split_titles_name_the_entities_each_split_walks_through(tmp_path):
     """What the corpus leaves out (every held-out entity) is the split the synthesizer walks held-out questions in;
     the demo's held-out seeds are disjoint from its development split's and from every split tuned on before."""
-    from osvl.config import RunConfig, parse_args, upstream_config
-    from osvl.rl.job import GRPOConfig
+    import dataclasses
+
+    from osvl.config import merge, parse_args
+    from osvl.recipe import GRPOJobConfig
     from osvl.rl.trainer import JOB as GRPO_JOB
     from osvl.synth import pipeline
     from osvl.synth.walks import Graph
 
-    grpo = parse_args(GRPOConfig, GRPO_JOB, ["--profile=demo"])
-    cfg = upstream_config(pipeline.SynthConfig, pipeline.JOB, RunConfig(), grpo.synth)
+    grpo = parse_args(GRPOJobConfig, GRPO_JOB, ["--profile=demo"])
+    cfg = dataclasses.replace(grpo.synth)
     cfg.questions_per_seed, cfg.attempts_per_seed = 4, 30
     held = pipeline.split_titles(cfg, "heldout")
     graph = Graph.load(None, max_answer_words=cfg.walk.max_answer_words)
@@ -161,8 +163,7 @@ def test_split_titles_name_the_entities_each_split_walks_through(tmp_path):
     # held-out figures come from seeds no choice was tuned on: none is a dev seed, nor one of the held-out
     # seeds of the three-share profile every run until 2026-12-06 tuned on (now dev: the same seeds)
     seeds = {split: {r["path"][0]["title"] for r in rows if r["split"] == split} for split in splits}
-    tuned_on = upstream_config(pipeline.SynthConfig, pipeline.JOB, RunConfig(), {
-        **grpo.synth, "split_fractions": [0.45, 0.2, 0.35], "entity_split_fractions": [0.4, 0.25, 0.35]})
+    tuned_on = merge(grpo.synth, {"split_fractions": [0.45, 0.2, 0.35], "entity_split_fractions": [0.4, 0.25, 0.35]})
     old_held = pipeline.split_titles(tuned_on, "heldout")
     assert seeds["heldout"] and not seeds["heldout"] & (seeds["dev"] | old_held)
     assert seeds["dev"] <= old_held and not held & pipeline.split_titles(cfg, "dev")

@@ -1,4 +1,5 @@
-"""What a GRPO run reports: the per-step table the driver prints and the summary of a run.
+"""What a GRPO run reports, all rendered here: the per-step table the driver prints, the run's ``Summary``
+(``report.json``), its closing lines and the one-line verdict ``jobs/grpo.py`` (``make demo``) ends with.
 
 ``summarize`` compares the mean reward of the first and last steps (with standard errors, so the
 demo's verdict "reward went up" is a test, not an impression) and counts the clamp split.
@@ -6,8 +7,11 @@ demo's verdict "reward went up" is a test, not an impression) and counts the cla
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Any
+
+from osvl.rl.loss import MODES
 
 
 def mean_se(xs: list[float]) -> tuple[float, float]:
@@ -77,33 +81,106 @@ def heldout_report(questions: list[dict[str, Any]], before: dict[str, list[float
     return out
 
 
-def held_line(h: dict[str, Any]) -> str:
-    """The summary's held-out line: Pass@1 ± clustered SE after SFT and after GRPO, the paired difference, direct."""
-    def num(key: str) -> str:
-        m, se = h.get(key), h.get(f"{key}_se")
-        return "n/a" if m is None else f"{m:.3f} ± {se:.3f}" if se == se and se is not None else f"{m:.3f}"
+@dataclasses.dataclass
+class Summary:
+    """A GRPO run's results, written as ``report.json`` (the same keys); None where a side was not scored."""
 
-    diff = "" if h["pass1_diff"] is None else (
-        f"; GRPO - SFT {num('pass1_diff')} (paired, {'>' if h['better'] else 'not >'} 2 SE)")
-    return (f"  held-out Pass@1 ({h['heldout']} questions of {h['heldout_seeds']} seed entities, greedy, SE clustered "
-            f"by seed): after SFT {num('pass1_sft')}, after GRPO {num('pass1_grpo')}{diff}; direct mode (no tools) "
-            f"after SFT {num('direct_sft')}, after GRPO {num('direct_grpo')}")
+    steps: int  # GRPO steps trained
+    first_mean: float  # mean reward of the first 10 steps, and its SE
+    first_se: float
+    last_mean: float  # ... of the last 10 steps
+    last_se: float
+    improved: bool  # last - first above 2 SE of the difference
+    clamped: int  # fatal trajectories whose negative advantage was clamped to 0 (counted in every mode)
+    kept_positive: int  # fatal trajectories with a positive advantage, kept
+    clamped_share: float
+    fatal_rate: float  # mean over steps
+    skipped: int  # non-finite steps skipped
+    staleness: dict[str, int]  # policy versions behind, of the last step's groups
+    heldout: int = 0  # held-out questions scored, and their seed entities
+    heldout_seeds: int = 0
+    pass1_sft: float | None = None  # greedy agentic Pass@1 after SFT, with its seed-clustered SE
+    pass1_sft_se: float | None = None
+    direct_sft: float | None = None  # ... direct mode (one turn, no tools)
+    direct_sft_se: float | None = None
+    pass1_grpo: float | None = None  # ... after GRPO
+    pass1_grpo_se: float | None = None
+    direct_grpo: float | None = None
+    direct_grpo_se: float | None = None
+    pass1_diff: float | None = None  # paired GRPO - SFT agentic Pass@1, with its clustered SE
+    pass1_diff_se: float | None = None
+    better: bool = False  # pass1_diff above 2 paired SE
+    seconds: float = 0.0  # the GRPO stage, its evaluations included
+    chain_s: float | None = None  # the whole chain, upstream stages built or reused included (osvl.recipe)
+    train_s: float = 0.0  # the GRPO steps alone
+    issued: int = 0  # groups issued, trained, dropped, flat ones re-drawn
+    consumed: int = 0
+    dropped: int = 0
+    resampled: int = 0
+    restarts: list[Any] = dataclasses.field(default_factory=list)  # rollout-actor restarts
+    resumed_from: str | None = None  # the checkpoint a resumed run started at
+    mode: str = ""  # rl.mode
+    out: str = ""  # the run folder
 
 
-def summarize(rows: list[dict[str, Any]], window: int = 10) -> dict[str, Any]:
+def summarize(rows: list[dict[str, Any]], window: int = 10) -> Summary:
     """First vs last ``window`` steps' mean reward (with standard errors), the clamp split, the staleness mix."""
     rewards = [r["reward"] for r in rows]
     first, last = mean_se(rewards[:window]), mean_se(rewards[-window:])
     clamped = sum(r.get("clamped", 0) for r in rows)
     kept = sum(r.get("kept_positive", 0) for r in rows)
     fatal = clamped + kept
-    return {"steps": len(rows), "first_mean": first[0], "first_se": first[1], "last_mean": last[0],
-            "last_se": last[1], "improved": last[0] - first[0] > 2 * (first[1] ** 2 + last[1] ** 2) ** 0.5,
-            "clamped": clamped, "kept_positive": kept,
-            "clamped_share": clamped / fatal if fatal else float("nan"),
-            "fatal_rate": sum(r["fatal_rate"] for r in rows) / max(1, len(rows)),
-            "skipped": sum(bool(r.get("skipped")) for r in rows),
-            "staleness": rows[-1]["staleness"] if rows else {}}
+    return Summary(steps=len(rows), first_mean=first[0], first_se=first[1], last_mean=last[0], last_se=last[1],
+                   improved=last[0] - first[0] > 2 * (first[1] ** 2 + last[1] ** 2) ** 0.5,
+                   clamped=clamped, kept_positive=kept, clamped_share=clamped / fatal if fatal else float("nan"),
+                   fatal_rate=sum(r["fatal_rate"] for r in rows) / max(1, len(rows)),
+                   skipped=sum(bool(r.get("skipped")) for r in rows),
+                   staleness=rows[-1]["staleness"] if rows else {})
+
+
+def _num(m: float | None, se: float | None = None) -> str:
+    return "n/a" if m is None else f"{m:.3f} ± {se:.3f}" if se is not None and se == se else f"{m:.3f}"
+
+
+def summary_lines(s: Summary, buffer: dict[str, Any], events: list[str]) -> list[str]:
+    """The run's closing lines: reward trend, clamp split, group accounting, held-out Pass@1."""
+    clamps = MODES[s.mode].clamp_fatal
+    fatal = s.clamped + s.kept_positive
+    drops = [e for e in events if e.startswith("dropped")]
+    diff = "" if s.pass1_diff is None else (
+        f"; GRPO - SFT {_num(s.pass1_diff, s.pass1_diff_se)} (paired, {'>' if s.better else 'not >'} 2 SE)")
+    return [
+        f"\ngrpo summary ({s.mode}): {s.steps} steps in {s.train_s:.0f} s "
+        f"({3600 * s.steps / max(s.train_s, 1e-9):.0f} steps/hour)",
+        f"  mean reward, first 10 steps: {s.first_mean:.4f} ± {s.first_se:.4f} (SE); last 10: {s.last_mean:.4f} ± "
+        f"{s.last_se:.4f}; {'higher by more than 2 SE' if s.improved else 'NOT higher by more than 2 SE'}",
+        f"  clamp split{'' if clamps else f' ({s.mode} does not clamp)'}: of {fatal} fatal trajectories with a "
+        f"non-zero advantage, {s.clamped} negative{' -> clamped to 0' if clamps else ''}, {s.kept_positive} positive "
+        "kept" + (f" ({s.clamped_share:.1%} / {1 - s.clamped_share:.1%})" if fatal else "")
+        + f"; mean fatal rate {s.fatal_rate:.2f}",
+        f"  groups: {s.issued} issued, {s.consumed} trained, {s.dropped} dropped, {s.resampled} flat ones re-drawn"
+        + (f" ({'; '.join(drops[:3])})" if drops else "") + f"; staleness of trained groups {buffer['staleness']}; "
+        f"{len(s.restarts)} rollout-actor restarts; {s.skipped} non-finite steps skipped",
+        f"  held-out Pass@1 ({s.heldout} questions of {s.heldout_seeds} seed entities, greedy, SE clustered by seed): "
+        f"after SFT {_num(s.pass1_sft, s.pass1_sft_se)}, after GRPO {_num(s.pass1_grpo, s.pass1_grpo_se)}{diff}; "
+        f"direct mode (no tools) after SFT {_num(s.direct_sft, s.direct_sft_se)}, after GRPO "
+        f"{_num(s.direct_grpo, s.direct_grpo_se)}"]
+
+
+def verdict(label: str, s: Summary, steps: int, n_heldout: int) -> tuple[bool, str]:
+    """``jobs/grpo.py``'s last line (``make demo``'s; a test greps it): whether the whole chain ran, its figures."""
+    evals = n_heldout == 0 or (s.pass1_sft is not None and s.pass1_grpo is not None)
+    if s.steps < steps or not evals:
+        return False, (f"{label}: FAILED — {s.steps} of {steps} GRPO steps trained, held-out evaluation "
+                       f"{'done' if evals else 'missing'}; see {s.out}")
+    return True, (
+        f"{label}: OK — questions, expert trajectories, SFT and {s.steps} GRPO steps ({s.mode}) in "
+        f"{(s.seconds if s.chain_s is None else s.chain_s) / 60:.1f} min; mean reward first 10 steps "
+        f"{s.first_mean:.3f} ± {s.first_se:.3f}, last 10 {s.last_mean:.3f} ± {s.last_se:.3f} "
+        f"({'up' if s.improved else 'NOT up'} by > 2 SE); "
+        f"held-out Pass@1 after SFT {_num(s.pass1_sft, s.pass1_sft_se)}, after GRPO "
+        f"{_num(s.pass1_grpo, s.pass1_grpo_se)} (GRPO - SFT {_num(s.pass1_diff, s.pass1_diff_se)}, "
+        f"{'>' if s.better else 'not >'} 2 paired SE), direct mode after GRPO {_num(s.direct_grpo, s.direct_grpo_se)}")
 
 
 COLUMNS = (("step", "{:>4d}"), ("reward", "{:6.3f}"), ("r_fmt", "{:5.2f}"), ("r_acc", "{:5.2f}"),

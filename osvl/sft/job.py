@@ -51,7 +51,7 @@ logger = logging.getLogger(__name__)
 @dataclasses.dataclass
 class DataConfig:
     trajectories: str = opt("", "Trajectory folder (write_trajectories output) or its trajectories.parquet; "
-                                "empty = run (or reuse) jobs/trajectories.py with its demo profile.")
+                                "empty = jobs/sft.py runs (or reuses) jobs/trajectories.py with its demo profile.")
     sharegpt: str = opt("", "Train on an OpenSearch-VL ShareGPT release file instead (JSON/JSONL; images "
                             "relative to it), imported once with the student's tokenizer and processor.")
     val_fraction: float = opt(0.05, "Share of questions held out for the validation loss (by question-id hash).")
@@ -111,8 +111,9 @@ def student(cfg: SftConfig) -> dict[str, str]:
     return {"model": cfg.model} if cfg.model else {"tiny_kind": cfg.tiny_kind}
 
 
-def resolve_data(cfg: SftConfig, out: Path, model_dir: str) -> Path:
-    """The trajectory folder to train on (running the demo trajectories job when none is given)."""
+def resolve_data(cfg: SftConfig, out: Path, model_dir: str, trajectories: Path | None) -> Path:
+    """The trajectory folder to train on: ``data.sharegpt`` imported, ``data.trajectories``, else ``trajectories``
+    (the recipe's: ``osvl.recipe.run_sft`` builds or reuses the demo records)."""
     from osvl.config import REPO_ROOT
 
     if cfg.data.sharegpt:
@@ -128,13 +129,10 @@ def resolve_data(cfg: SftConfig, out: Path, model_dir: str) -> Path:
     if cfg.data.trajectories:
         p = Path(cfg.data.trajectories)
         return p if p.is_absolute() else REPO_ROOT / p
-    from osvl.config import upstream_config
-    from osvl.synth.expert import JOB as TRAJ_JOB
-    from osvl.synth.expert import TrajConfig
-    from osvl.synth.expert import run as make_trajectories
-
-    folder, _ = make_trajectories(upstream_config(TrajConfig, TRAJ_JOB, cfg.run, student(cfg)))
-    return Path(folder)
+    if trajectories is None:
+        raise ConfigError("data.trajectories and data.sharegpt are empty: name the records to train on "
+                          "(jobs/sft.py builds the demo ones: osvl.recipe.run_sft)")
+    return trajectories
 
 
 def total_steps(cfg: SftConfig, train_rows: int) -> int:
@@ -163,8 +161,10 @@ def loss_curve(log_file: Path, width: int = 60) -> str:
 
 
 @tracked(JOB)
-def run(cfg: SftConfig, *, log: Callable[[str], None] = logger.info) -> dict[str, Any]:
-    """Train (resuming if this run folder has checkpoints), export the HF model, run the format check."""
+def run(cfg: SftConfig, *, log: Callable[[str], None] = logger.info,
+        trajectories: Path | None = None) -> dict[str, Any]:
+    """Train on ``data.trajectories`` (else ``trajectories``, given apart so that the run's hash is the config's
+    as written), resuming if this run folder has checkpoints; export the HF model, run the format check."""
     from osvl.cluster import init_ray
     from osvl.config import input_path, run_dir, to_dict
     from osvl.models.tiny import tiny_checkpoint
@@ -176,7 +176,7 @@ def run(cfg: SftConfig, *, log: Callable[[str], None] = logger.info) -> dict[str
         raise ConfigError(f"zero_stage must be 2 or 3, got {cfg.zero_stage}")
     out = run_dir(cfg, JOB)
     model_dir = str(input_path(cfg.model)) if cfg.model else str(tiny_checkpoint(cfg.tiny_kind))
-    data_dir = resolve_data(cfg, out, model_dir)
+    data_dir = resolve_data(cfg, out, model_dir, trajectories)
     files, image_dir = parquet_files(data_dir)
     check_tokenizer(files[0], model_dir)
     n_train, n_val = count_rows(files, cfg.data.val_fraction)

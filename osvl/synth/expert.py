@@ -141,15 +141,13 @@ def validate(cfg: TrajConfig) -> None:
         cfg.judge.check("judge")
 
 
-def questions_dir(cfg: TrajConfig, log: Callable[[str], None] = logger.info) -> Path:
-    """The synthesize run to read: ``cfg.questions``, or the default synthesize run (built or reused)."""
-    if cfg.questions:
-        path = Path(cfg.questions)
-    else:
-        from osvl.config import upstream_config
-        from osvl.synth import pipeline
-
-        path, _ = pipeline.run(upstream_config(pipeline.SynthConfig, pipeline.JOB, cfg.run), log=log)
+def questions_dir(cfg: TrajConfig, questions: Path | None) -> Path:
+    """The synthesize run to read: ``cfg.questions``, else ``questions`` (the one the recipe built or reused:
+    ``osvl.recipe.run_trajectories``; given apart, so that the run's hash is the config's as written)."""
+    path = Path(cfg.questions) if cfg.questions else questions
+    if path is None:
+        raise ConfigError("questions is empty: name a synthesize run folder (jobs/trajectories.py builds the demo "
+                          "one: osvl.recipe.run_trajectories)")
     if not (path / f"{cfg.split}.parquet").is_file():
         raise DataError(f"{path} has no {cfg.split}.parquet (run jobs/synthesize.py first)")
     return path
@@ -343,14 +341,16 @@ def report(counts: Counter[str], seconds: float) -> dict[str, Any]:
 
 
 @tracked(JOB)
-def run(cfg: TrajConfig, *, log: Callable[[str], None] = logger.info) -> tuple[Path, dict[str, Any]]:
-    """Answer the split's questions with the teacher, filter, keep, write (resuming shards)."""
+def run(cfg: TrajConfig, *, log: Callable[[str], None] = logger.info,
+        questions: Path | None = None) -> tuple[Path, dict[str, Any]]:
+    """Answer the split's questions (``cfg.questions``, else ``questions``) with the teacher, filter, keep, write
+    (resuming shards)."""
     from osvl.cluster import init_ray
     from osvl.synth import pipeline
 
     validate(cfg)
     t0 = time.perf_counter()
-    qdir = questions_dir(cfg, log)
+    qdir = questions_dir(cfg, questions)
     out = run_dir(cfg, JOB)
     n_questions = len(load_questions(qdir, cfg.split, cfg.max_questions))
     n_shards = -(-n_questions // cfg.shard_size)
