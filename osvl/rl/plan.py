@@ -224,9 +224,9 @@ def check(cfg: Any, shape: ModelShape, nodes: list[NodeType], out: Any = print) 
             problems.append(f"learner: {sum(need.values()) / GB:.0f} GiB per GPU needed (micro-batch of up to "
                             f"{tokens} tokens, {'bf16' if bf16 else 'float32'}, gradient checkpointing "
                             f"{'on' if lc.grad_checkpointing else 'off'}), above the {gpu / GB:g} GiB of a GPU")
-    # data stages the job chains
+    # data stages the job chains (osvl.recipe.GRPOJobConfig's typed sections)
     for section in ("synth", "trajectories"):
-        offered("data", float(getattr(cfg, section, {}).get("role_units", 0) or 0))
+        offered("data", float(getattr(getattr(cfg, section, None), "role_units", 0) or 0))
     return problems
 
 
