@@ -18,17 +18,36 @@ the offered tools, the search engine) is not set in its section: ``check`` says 
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-from osvl.config import RunConfig, merge, opt, parse_args, run_dir, upstream_config
+from osvl.agent.trajectory import read_trajectories
+from osvl.config import (
+    RunConfig,
+    input_path,
+    merge,
+    normalize_args,
+    opt,
+    parse_args,
+    run_dir,
+    to_dict,
+    upstream_config,
+)
 from osvl.errors import ConfigError
+from osvl.logs import start_job
+from osvl.models.pretrain import BASE_KIND, PretrainConfig, corpus_rows, export, train, turns_text
+from osvl.models.pretrain import JOB as PRETRAIN_JOB
+from osvl.models.tiny import tiny_checkpoint
+from osvl.rl.job import JOB as GRPO_JOB
 from osvl.rl.job import GRPOConfig
 from osvl.rl.job import run as run_grpo_stage
-from osvl.rl.report import Summary
+from osvl.rl.plan import run_check
+from osvl.rl.report import Summary, verdict
 from osvl.sft import job as sft
 from osvl.synth import expert, pipeline
 
@@ -160,3 +179,113 @@ def run_trajectories(cfg: expert.TrajConfig, log: Log = logger.info) -> tuple[Pa
     qdir = None if cfg.questions else questions(cfg.run, demo_profile(pipeline.SynthConfig, pipeline.JOB)(), log)
     return expert.run(cfg, log=log, questions=qdir)
 
+
+def grpo_main(argv: list[str] | None = None) -> None:
+    """``python jobs/grpo.py``: the plan (``--check``) or the whole chain, ending on ``verdict``'s line."""
+    # "--check DIR" and "--check=DIR" name the model; a lone "--check" (read as "--check=true") plans without one
+    args = ["--check" if a == "--check=true" else a for a in normalize_args(list(sys.argv[1:] if argv is None
+                                                                                 else argv))]
+    flags = [a for a in args if a == "--check" or a.startswith(("--check=", "--cluster=", "--gpu_memory_gb="))]
+    if any(a.startswith("--check") for a in flags):  # the plan only (osvl/rl/plan.py): nothing starts
+        cfg = parse_args(GRPOJobConfig, GRPO_JOB, [a for a in args if a not in flags])
+        given = dict(a.removeprefix("--").partition("=")[::2] for a in flags)
+        raise SystemExit(run_check(cfg, given.get("check", ""), given.get("cluster") or "cluster.yaml",
+                                   float(given.get("gpu_memory_gb") or 80)))
+
+    def finish(cfg: GRPOJobConfig) -> GRPOJobConfig:
+        check(cfg)  # before the upstream stages, which may run for an hour
+        cfg.rollout.check()
+        return cfg
+
+    cfg = start_job(GRPOJobConfig, GRPO_JOB, args, finish)
+    s = run_grpo(cfg)
+    # `make demo` runs this job; its last line says whether the whole chain ran (the test greps it)
+    label = "demo" if not any(a.startswith("--profile=") and a != "--profile=demo" for a in args) else "grpo"
+    ok, line = verdict(label, s, cfg.train.steps, cfg.eval.n_heldout)
+    print(line, flush=True)
+    if not ok:
+        raise SystemExit(1)
+
+
+# ---------------------------------------------------------------------------
+# the tiny policy's pretraining corpus: the demo's data recipe (jobs/pretrain_tiny.py)
+
+
+def demo_trajectories(run: RunConfig, grpo: GRPOJobConfig, split: str, n: int,
+                      synth: dict[str, Any] | None = None) -> tuple[Path, set[str]]:
+    """The oracle's trajectories (one rollout each) of the first ``n`` (0: every) questions of ``split`` under the
+    data recipe of ``grpo`` (a GRPO profile's config, ``grpo_recipe``: its ``synth`` and ``trajectories``
+    sections; ``synth``, when given, is applied to the synthesize job's demo profile instead: a card's record
+    of the recipe its policy was made with), built or reused under ``run.root``, and the titles of the held-out
+    and dev splits' entities. The committed policy's test rebuilds its probe with it."""
+    scfg = grpo.synth if synth is None else upstream_config(pipeline.SynthConfig, pipeline.JOB, run, synth)
+    qdir = questions(run, scfg)
+    tcfg = dataclasses.replace(grpo.trajectories, run=stage_run(run), questions=str(qdir),
+                               offer=list(grpo.rollout.offer), split=split, max_questions=n, n_teacher_rollouts=1,
+                               tiny_kind=BASE_KIND)
+    # the corpus shows nothing of the entities questions are scored on: held-out, nor dev where settings are tuned
+    return expert.run(tcfg)[0] / "trajectories.parquet", pipeline.split_titles(scfg, "heldout", "dev")
+
+
+def grpo_recipe(grpo_profile: str) -> GRPOJobConfig:
+    """The GRPO profile's config: its ``synth`` and ``trajectories`` sections are the demo's data recipe."""
+    return parse_args(GRPOJobConfig, GRPO_JOB, [f"--profile={grpo_profile}"])
+
+
+def recipe_entries(synth: Any) -> dict[str, Any]:
+    """The entries of a GRPO profile's synth section that differ from the synthesize job's demo profile (its run
+    aside): the data recipe as a card records it, small and free of this machine's paths."""
+    def diff(got: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
+        return {k: (diff(v, base[k]) if isinstance(v, dict) else v) for k, v in got.items()
+                if k != "run" and v != base[k]}
+
+    return diff(to_dict(synth), to_dict(demo_profile(pipeline.SynthConfig, pipeline.JOB)()))
+
+
+def pretrain_main(argv: list[str] | None = None) -> dict:
+    """``python jobs/pretrain_tiny.py``: the demo's data recipe built or reused, then the tiny policy pretrained on it
+    (``osvl.models.pretrain``), and exported when asked."""
+    from osvl.models.load import load_processor  # here: transformers takes seconds to import (jobs/grpo.py --help)
+
+    cfg = start_job(PretrainConfig, PRETRAIN_JOB, argv)
+    cfg.check()
+    base = Path(cfg.init) if cfg.init else tiny_checkpoint(BASE_KIND)
+    tok = load_processor(base).tokenizer
+    grpo = grpo_recipe(cfg.grpo_profile)
+    tpath, held = demo_trajectories(cfg.run, grpo, "sft", 0)
+    probe = []
+    if cfg.probe_questions:  # whole held-out trajectories, to read, never to train on
+        ppath, _ = demo_trajectories(cfg.run, grpo, "heldout", cfg.probe_questions)
+        probe = corpus_rows(read_trajectories(ppath), tok, set(), 1 << 16)
+    out = run_dir(cfg, PRETRAIN_JOB)
+    if (out / "report.json").is_file() and (out / "model").is_dir():  # finished: rerun to export, not to train
+        report = json.loads((out / "report.json").read_text())
+        n_cut = report["rows_over_max_len"]
+        print(f"pretrain_tiny: reusing the finished run {out}", flush=True)
+    else:
+        trajs = list(read_trajectories(tpath))
+        rows = corpus_rows(trajs, tok, held, cfg.max_len)
+        # a row's answer is its last turn: a row cut at max_len never shows one (answers 0/96 at max_len 1024)
+        n_cut = sum(len(r) > cfg.max_len for r in corpus_rows(trajs, tok, held, 1 << 16))
+        # the recipe as trained on: the profile may change before a later rerun exports this run
+        report = train(cfg, rows, base, out, extra={"trajectories": str(tpath.parent), "heldout_entities": len(held),
+                                                 "rows_over_max_len": n_cut,
+                                                 "synth": recipe_entries(grpo.synth)},
+                       probe=probe)
+    print(f"pretrain_tiny: {report['rows']} rows ({report['tokens']:,} tokens; {len(held)} held-out entities cut "
+          f"out; {n_cut} rows cut at max_len={cfg.max_len}), {cfg.steps} steps in {report['seconds'] / 60:.1f} min, "
+          f"validation loss {report['val_loss']:.4f} -> {report['model']}", flush=True)
+    if report["heldout_turns"]:
+        print(f"pretrain_tiny: held-out turns greedy decoding reproduces whole: {turns_text(report['heldout_turns'])}",
+              flush=True)
+    if cfg.export_to:
+        if "synth" not in report:
+            raise ConfigError(f"{out} was trained before its report recorded the data recipe; train it again "
+                              "(another --run.name) to export it")
+        card = export(out / "model", input_path(cfg.export_to), probe, {
+            "grpo_profile": cfg.grpo_profile, "synth": report["synth"],
+            "heldout_questions": cfg.probe_questions, "run": out.name,
+            **{k: report[k] for k in ("rows", "tokens", "steps", "seconds", "val_loss", "heldout_turns")}})
+        print(f"pretrain_tiny: exported float16 weights to {cfg.export_to} (held-out loss {card['heldout_loss']:.4f} "
+              f"on the oracle's trajectories of {cfg.probe_questions} held-out questions)", flush=True)
+    return report

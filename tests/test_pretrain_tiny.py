@@ -217,9 +217,9 @@ def test_the_committed_policy_reproduces_its_documented_heldout_loss(ray_cluster
     """The demo's base, ``osvl/models/weights/tiny_policy``: float16 and small, the tiny model's tokenizer, and on
     the oracle's trajectories of the held-out questions (rebuilt here with the job's own function; the job's
     corpus cut every held-out passage out) the loss its card and data card state."""
-    from jobs.pretrain_tiny import demo_trajectories, grpo_recipe
     from osvl.agent.trajectory import read_trajectories
     from osvl.config import RunConfig
+    from osvl.recipe import demo_trajectories, grpo_recipe
 
     card = json.loads((pretrain.POLICY / "card.json").read_text())
     assert (pretrain.POLICY / "model.safetensors").stat().st_size <= 5 * 1024 * 1024 and card["dtype"] == "float16"
