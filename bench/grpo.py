@@ -83,7 +83,7 @@ def measure(staleness: int, steps: int, model: Path, qdir: Path, questions: list
         rollout=RolloutConfig(num_actors=1, cpus_per_actor=1, groups_in_flight=4, tool_latency_s=0.2,
                               offer=["crop", "text_search"], schemas=str(schemas),
                               agent=AgentConfig(max_turns=4, max_new_tokens=64, max_episode_tokens=4096)),
-        learner=LearnerConfig(num_workers=1, threads_per_worker=1, zero_stage=2),
+        learner=LearnerConfig(workers=1, threads_per_worker=1, zero_stage=2),
         train=TrainConfig(steps=steps, groups_per_step=2, max_staleness=staleness, ckpt_every=10_000))
     res = train(parts, model, questions, qdir / "images", root / f"s{staleness}", log=lambda m: None)
     rows = res["rows"]

@@ -62,7 +62,7 @@ def make_data(out: Path, rows: int) -> None:
 
 def measure(data: Path, root: Path, workers: int, threads: int, steps: int) -> dict:
     argv = [f"--run.root={root}", f"--data.trajectories={data}", "--data.n_eval=0", "--data.val_fraction=0",
-            f"--num_workers={workers}", f"--threads_per_worker={threads}", f"--micro_batch={4 // workers}",
+            f"--workers={workers}", f"--threads_per_worker={threads}", f"--micro_batch={4 // workers}",
             f"--max_steps={steps}", f"--ckpt_every={steps}", "--val_every=0", f"--log_every={steps}",
             "--max_len=4096"]
     report = run(parse_args(SftConfig, JOB, argv), log=lambda m: None)

@@ -2,7 +2,7 @@
 
     python jobs/sft.py                         # demo: tiny model on the demo teacher trajectories, 2 workers, ZeRO-2
     python jobs/sft.py --profile=production    # a released VLM on GPUs, ZeRO-3, bf16
-    python jobs/sft.py --zero_stage=3 --num_workers=1 --max_steps=20
+    python jobs/sft.py --zero_stage=3 --workers=1 --max_steps=20
 
 Rerunning the same command resumes from the newest checkpoint of its run folder
 (<run.root>/sft/<config hash>/). Output: <run_dir>/model (a Hugging Face directory that

@@ -225,7 +225,15 @@ def _fields(cls: type) -> dict[str, tuple[dataclasses.Field, Any]]:
     return {f.name: (f, hints[f.name]) for f in dataclasses.fields(cls)}
 
 
+# Keys renamed so that one concept has one name in every config (a profile or a command line of an earlier
+# version says what to write instead): parallel processes of a stage are its `workers`, the tools a model is
+# offered its `offer`, a warm-up as a share of the steps `warmup_share` (a count: `warmup_steps`).
+RENAMED = {"num_workers": "workers", "num_actors": "workers", "tool_names": "offer", "warmup": "warmup_share"}
+
+
 def _unknown(key: str, name: str, valid: list[str]) -> ConfigError:
+    if RENAMED.get(name) in valid:
+        return ConfigError(f"config key {key!r} was renamed to {key[:len(key) - len(name)] + RENAMED[name]!r}")
     close = difflib.get_close_matches(name, valid, n=1)
     hint = f" (did you mean {close[0]!r}?)" if close else ""
     return ConfigError(f"unknown config key {key!r}{hint}; valid keys here: {', '.join(valid)}")

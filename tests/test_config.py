@@ -617,3 +617,20 @@ def test_script_flags_types_them_and_refuses_strays():
         script_flags(["--step=3"], defaults)
     with pytest.raises(ConfigError, match="--steps: 'x' is not int"):
         script_flags(["--steps=x"], defaults)
+
+
+def test_a_renamed_key_says_what_it_was_renamed_to(tmp_path):
+    """One name per concept across the configs (osvl.config.RENAMED): a flag or a profile of an earlier version
+    fails at start with the key to write instead, not a guess from the close matches."""
+    from osvl.recipe import GRPOJobConfig
+    from osvl.sft.job import SftConfig
+
+    with pytest.raises(ConfigError, match=r"^config key 'num_workers' was renamed to 'workers'$"):
+        parse_args(SftConfig, "sft", ["--num_workers=1"])
+    with pytest.raises(ConfigError, match=r"'warmup' was renamed to 'warmup_share'"):
+        parse_args(SftConfig, "sft", ["--warmup=0.1"])
+    old = tmp_path / "old.yaml"
+    old.write_text("learner:\n  num_workers: 2\nsft:\n  num_workers: 1\n")
+    with pytest.raises(ConfigError, match=r"'learner.num_workers' was renamed to 'learner.workers'"):
+        parse_args(GRPOJobConfig, "grpo", [f"--profile={old}"])
+    assert parse_args(SftConfig, "sft", ["--workers=1", "--warmup_share=0.1"]).workers == 1

@@ -185,7 +185,7 @@ def test_rayjob_entrypoint_parses_as_the_grpo_job_with_storage_on_a_uri():
     groups = {tuple(_group_roles(g)): g for g in doc["spec"]["rayClusterSpec"]["workerGroupSpecs"]}
     learner_gpus = sum(int(g["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"])
                        * g["replicas"] for k, g in groups.items() if "learner" in k)
-    assert learner_gpus >= cfg.learner.num_workers  # the production profile's learner fits its group
+    assert learner_gpus >= cfg.learner.workers  # the production profile's learner fits its group
     assert any("rollout" in k for k in groups) and any("tools" in k for k in groups)
 
 

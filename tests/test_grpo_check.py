@@ -45,7 +45,7 @@ def test_the_production_entrypoint_fits_the_clusters_and_prints_its_plan(cluster
     (["--rollout.num_gpus=0"], "rollout.num_gpus=0 with engine vllm on a GPU cluster"),
     (["--rollout.vllm.max_model_len=2048"], "rollout.vllm.max_model_len=2048 is below the episode budget"),
     (["--rollout.role_units=16"], "rollout: 16 unit(s) of the 'rollout' resource asked, no node type offers"),
-    (["--learner.num_workers=16"], "learner: 16 workers need 16 GPUs on one node; the largest learner node type has 8"),
+    (["--learner.workers=16"], "learner: 16 workers need 16 GPUs on one node; the largest learner node type has 8"),
     (["--learner.grad_checkpointing=false", "--rl.micro_tokens=16384"],
      "learner: 43 GiB per GPU needed (micro-batch of up to 16384 tokens, bf16, gradient checkpointing off)"),
     (["--rl.micro_tokens=65536"], "learner: 53 GiB per GPU needed (micro-batch of up to 65536 tokens, bf16, gradient "

@@ -306,7 +306,7 @@ def _round(scenario: str, sockets: bool) -> dict:
                   for i in range(rc.num_actors)]
         actor_nodes = {f"rollout{i}": ray.get(a.node.remote(), timeout=60) for i, a in enumerate(actors)}
         deadline = time.monotonic() + 60
-        while len(ranks := ray.get(board.get.remote())) < lc.num_workers and time.monotonic() < deadline:
+        while len(ranks := ray.get(board.get.remote())) < lc.workers and time.monotonic() < deadline:
             time.sleep(0.2)
         listening = _listening(psutil, os.environ["RAY_TMPDIR"]) if sockets else []
         ray.get(board.release.remote())

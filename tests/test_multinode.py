@@ -34,7 +34,7 @@ REPO = Path(__file__).resolve().parents[1]
 STEPS = 3
 JOBS = ("synthesize", "trajectories", "sft", "grpo")
 # two learner ranks under ZeRO-3 (each writes its own shard files), one per learner node
-LEARNERS = ["--learner.num_workers=2", "--learner.zero_stage=3"]
+LEARNERS = ["--learner.workers=2", "--learner.zero_stage=3"]
 CKPT = "grpo/e2e/checkpoints"
 
 
@@ -44,7 +44,7 @@ def grpo_args(root: str) -> list[str]:
             "--synth.questions_per_seed=2", "--synth.num_shards=1", "--synth.workers=1", "--synth.role_units=1",
             "--trajectories.max_questions=4", "--trajectories.shard_size=4", "--trajectories.workers=1",
             "--trajectories.role_units=1", "--trajectories.n_teacher_rollouts=1", "--sft.max_steps=2",
-            "--sft.max_len=1024", "--sft.num_workers=1", "--sft.data.n_eval=0",
+            "--sft.max_len=1024", "--sft.workers=1", "--sft.data.n_eval=0",
             "--rl.group_size=2", "--rl.max_len=2048", f"--train.steps={STEPS}", "--train.groups_per_step=2",
             "--train.ckpt_every=1", "--train.max_staleness=0", "--rollout.num_actors=2", "--rollout.num_gpus=0.5",
             "--rollout.role_units=1", "--rollout.agent.max_turns=2", "--rollout.agent.max_new_tokens=32",

@@ -47,7 +47,7 @@ def trajectories(tmp_path_factory):
 
 def _args(data: Path, root: Path, *extra: str) -> list[str]:
     return [f"--run.root={root}", f"--data.trajectories={data}", "--data.n_eval=0", "--data.val_fraction=0",
-            "--micro_batch=2", "--num_workers=2", "--threads_per_worker=1", "--lr=2e-3", "--log_every=1",
+            "--micro_batch=2", "--workers=2", "--threads_per_worker=1", "--lr=2e-3", "--log_every=1",
             "--val_every=0", *extra]
 
 

@@ -101,7 +101,7 @@ class PretrainConfig:
     batch: int = opt(8, "Rows per step.")
     max_len: int = opt(1024, "Tokens per row (a row is cut after this).")
     lr: float = opt(2e-3, "Peak learning rate (AdamW, betas 0.9/0.95, no weight decay).")
-    warmup: float = opt(0.05, "Linear warm-up, as a share of the steps.")
+    warmup_share: float = opt(0.05, "Linear warm-up, as a share of the steps.")
     min_lr_ratio: float = opt(0.1, "Cosine floor, as a share of lr.")
     val_rows: int = opt(64, "Rows held out for the validation loss.")
     embed_scale: float = opt(0.0, "If > 0: before training, tie the output embeddings to the input ones and scale "
@@ -318,7 +318,7 @@ def turns_text(turns: dict[str, list[int]]) -> str:
 
 
 def lr_at(step: int, cfg: PretrainConfig) -> float:
-    warm = max(1, int(cfg.warmup * cfg.steps))
+    warm = max(1, int(cfg.warmup_share * cfg.steps))
     if step < warm:
         return cfg.lr * (step + 1) / warm
     frac = (step - warm) / max(1, cfg.steps - warm)

@@ -1,9 +1,9 @@
 """Where the GRPO learner's workers go, and why the launcher reserves their GPUs before the rollout actors'.
 
-The learner is one DeepSpeed job over ``learner.num_workers`` GPUs: every step all-gathers
+The learner is one DeepSpeed job over ``learner.workers`` GPUs: every step all-gathers
 parameters and reduce-scatters gradients between all its ranks (ZeRO-3), so ranks on two nodes
 talk over the network instead of NVLink, and a step is as slow as its slowest link. Ray Train
-reserves the workers as one placement group of ``num_workers`` bundles; two things decide
+reserves the workers as one placement group of ``learner.workers`` bundles; two things decide
 whether that group lands on one node:
 
 - its strategy. ``PACK`` is best effort: when no single node has room at the moment the group is
@@ -83,10 +83,10 @@ def make_learner(train_fn: Callable[[dict], None], loop_config: dict, lc: Learne
     from osvl.train.deepspeed import make_trainer, worker_bundle
 
     bundle = worker_bundle(lc.threads_per_worker, lc.use_gpu, lc.role_units)
-    return make_trainer(train_fn, loop_config, num_workers=lc.num_workers, threads_per_worker=lc.threads_per_worker,
+    return make_trainer(train_fn, loop_config, num_workers=lc.workers, threads_per_worker=lc.threads_per_worker,
                         use_gpu=lc.use_gpu, storage=storage, name="ray_train", keep=1, max_failures=lc.max_failures,
                         resources=role_resources("learner", lc.role_units),
-                        placement_strategy=learner_strategy(lc.num_workers, lc.use_gpu, nodes, bundle))
+                        placement_strategy=learner_strategy(lc.workers, lc.use_gpu, nodes, bundle))
 
 
 def rollout_actor_class(cls: type, rc: Any, **options: Any) -> Any:
@@ -177,6 +177,6 @@ def start_learner(trainer: Any, timeout_s: float = PLACEMENT_TIMEOUT_S, poll_s: 
                 f"the learner's {num_workers} workers ({bundle} each, placement strategy "
                 f"{scaling.placement_strategy}) got no placement group in {timeout_s:g} s; the cluster has "
                 f"{ {k: v for k, v in free.items() if not k.startswith('node:')} } free. A STRICT_PACK group "
-                "needs one node with room for all of them (learner.num_workers, the learner nodes' GPUs, "
+                "needs one node with room for all of them (learner.workers, the learner nodes' GPUs, "
                 "learner.role_units against the nodes' role resources)")
         time.sleep(poll_s)

@@ -148,7 +148,7 @@ def learner_tokens(cfg: Any) -> int:
     if rl.micro_tokens:  # rows fill the budget; a row over it (at most max_len) is a micro-batch alone
         tokens = max(rl.micro_tokens, rl.max_len)
     else:  # one batch per rank: its share of the step's groups, every row at max_len
-        tokens = -(-cfg.train.groups_per_step // cfg.learner.num_workers) * rl.group_size * rl.max_len
+        tokens = -(-cfg.train.groups_per_step // cfg.learner.workers) * rl.group_size * rl.max_len
     return tokens
 
 
@@ -201,7 +201,7 @@ def check(cfg: Any, shape: ModelShape, nodes: list[NodeType], out: Any = print) 
     # learner
     bundle = worker_bundle(lc.threads_per_worker, lc.use_gpu, lc.role_units)
     bf16 = lc.bf16 if lc.bf16 is not None else lc.use_gpu
-    out(f"learner: {lc.num_workers} worker(s), each {bundle}, ZeRO-{lc.zero_stage}, "
+    out(f"learner: {lc.workers} worker(s), each {bundle}, ZeRO-{lc.zero_stage}, "
         + ("bf16 weights, fp32 master weights and moments" if bf16 else "float32 weights and moments")
         + (", gradient checkpointing" if lc.grad_checkpointing else "")
         + ("" if lc.role_units else " (learner.role_units 0: any node type may host a worker)"))
@@ -210,11 +210,11 @@ def check(cfg: Any, shape: ModelShape, nodes: list[NodeType], out: Any = print) 
              if not lc.role_units or n.resources.get(ROLE_RESOURCES["learner"], 0) >= lc.role_units]
     if lc.use_gpu and hosts:
         most = max(n.gpus for n in hosts)
-        if lc.num_workers > most:
-            problems.append(f"learner: {lc.num_workers} workers need {lc.num_workers} GPUs on one node; the largest "
+        if lc.workers > most:
+            problems.append(f"learner: {lc.workers} workers need {lc.workers} GPUs on one node; the largest "
                             f"learner node type has {most}")
         tokens = learner_tokens(cfg)
-        need = learner_gpu_bytes(shape, tokens, lc.num_workers, lc.zero_stage, bf16=bf16,
+        need = learner_gpu_bytes(shape, tokens, lc.workers, lc.zero_stage, bf16=bf16,
                                  grad_checkpointing=lc.grad_checkpointing, reference=rl.beta > 0)
         gpu = min(n.gpu_gb for n in hosts) * GB
         out(f"  micro-batch ceiling: {tokens} tokens")

@@ -46,7 +46,7 @@ JOB = "grpo"
 class LearnerConfig:
     """The learner's Ray Train workers."""
 
-    num_workers: int = opt(1, "Ray Train learner workers (data parallel over whole groups).", hashed=False)
+    workers: int = opt(1, "Ray Train learner workers (data parallel over whole groups).", hashed=False)
     role_units: float = opt(0.0, "Units of the 'learner' custom resource (osvl.cluster.ROLE_RESOURCES, declared on "
                                  "learner nodes by cluster.yaml and deploy/) each learner worker requests; 0 = none.",
                             hashed=False)
@@ -216,7 +216,7 @@ def start_cluster(rc: RolloutConfig, lc: LearnerConfig) -> None:
     CPUs: the cores are shared, not oversubscribed by much)."""
     from osvl.cluster import init_ray
 
-    need = int(rc.num_actors * rc.cpus_per_actor + lc.num_workers * lc.threads_per_worker) + 1
+    need = int(rc.num_actors * rc.cpus_per_actor + lc.workers * lc.threads_per_worker) + 1
     init_ray(num_cpus=max(need, os.cpu_count() or 1))
 
 

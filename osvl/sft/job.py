@@ -4,12 +4,12 @@ What one run does (``jobs/sft.py`` parses the config and calls ``run``):
 
 1. The driver finds the trajectory table (a ``write_trajectories`` folder; a ShareGPT release
    file is first imported into one), splits questions into train and validation by a hash of
-   the question id (no question is on both sides), and starts ``num_workers`` Ray Train workers.
+   the question id (no question is on both sides), and starts ``workers`` Ray Train workers.
 2. The driver reads the token columns (images stay on disk, decoded only for the rows a worker
    trains on) and puts the train and validation splits in the object store as Ray Datasets,
    one block per part file in file order. **Data order**: every epoch each worker
    iterates the same dataset through a local shuffle buffer seeded with ``(seed, epoch)``, in
-   global micro-batches of ``num_workers x micro_batch`` rows, and keeps its own
+   global micro-batches of ``workers x micro_batch`` rows, and keeps its own
    ``micro_batch`` slice. The order depends only on the data and ``(seed, epoch)``, so a
    resumed run reproduces it exactly by skipping the micro-batches already done; reading the
    token ids on every worker is cheap next to the forward pass.
@@ -77,7 +77,7 @@ class SftConfig:
                                                     "split) or drop; counted in the metrics either way.")
     lr: float = opt(1e-4, "Peak learning rate (AdamW).")
     min_lr_ratio: float = opt(0.1, "Cosine decay floor, as a fraction of lr.")
-    warmup: float = opt(0.05, "Linear warm-up, as a fraction of the steps.")
+    warmup_share: float = opt(0.05, "Linear warm-up, as a share of the steps.")
     weight_decay: float = opt(0.0, "AdamW weight decay.")
     grad_clip: float = opt(1.0, "Gradient-norm clipping (DeepSpeed gradient_clipping).")
     grad_checkpointing: bool = opt(False, "Recompute activations in backward (memory for compute).")
@@ -85,7 +85,7 @@ class SftConfig:
     zero_stage: int = opt(2, "DeepSpeed ZeRO stage (2 or 3).")
     bf16: bool | None = opt(None, "bf16 mixed precision; None = on with GPUs, off (fp32) on CPU.")
     shuffle_buffer: int = opt(256, "Rows in the seeded local shuffle buffer.")
-    num_workers: int = opt(2, "Ray Train workers (data parallel).", hashed=False)
+    workers: int = opt(2, "Ray Train workers (data parallel).", hashed=False)
     threads_per_worker: int = opt(1, "CPUs each worker reserves and torch threads it uses.", hashed=False)
     use_gpu: bool = opt(False, "One GPU per worker, NCCL.", hashed=False)
     rehearsal: Rehearsal = opt("off", "Run under the GPU rehearsal on CPU (osvl/train/rehearsal.py): every model "
@@ -136,10 +136,10 @@ def resolve_data(cfg: SftConfig, out: Path, model_dir: str, trajectories: Path |
 
 
 def total_steps(cfg: SftConfig, train_rows: int) -> int:
-    per_epoch = train_rows // (cfg.num_workers * cfg.micro_batch * cfg.grad_accum)
+    per_epoch = train_rows // (cfg.workers * cfg.micro_batch * cfg.grad_accum)
     if per_epoch == 0:
         raise DataError(f"{train_rows} training trajectories make no optimizer step of "
-                        f"{cfg.num_workers}x{cfg.micro_batch}x{cfg.grad_accum} rows")
+                        f"{cfg.workers}x{cfg.micro_batch}x{cfg.grad_accum} rows")
     steps = max(1, int(per_epoch * cfg.epochs))
     return min(steps, cfg.max_steps) if cfg.max_steps else steps
 
@@ -182,14 +182,14 @@ def run(cfg: SftConfig, *, log: Callable[[str], None] = logger.info,
     n_train, n_val = count_rows(files, cfg.data.val_fraction)
     steps = total_steps(cfg, n_train)
     log(f"sft: {n_train} train / {n_val} validation trajectories from {data_dir}; {steps} steps of "
-        f"{cfg.num_workers}x{cfg.micro_batch}x{cfg.grad_accum}, ZeRO-{cfg.zero_stage} -> {out}")
+        f"{cfg.workers}x{cfg.micro_batch}x{cfg.grad_accum}, ZeRO-{cfg.zero_stage} -> {out}")
     n_long, n_rows, longest = long_rows(files, cfg.max_len)
     if n_long:
         fate = "cut: their last turns, the answer among them, are not trained" if cfg.truncation == "cut" \
             else "dropped"
         log(f"sft: WARNING {n_long} of {n_rows} trajectories are longer than max_len={cfg.max_len} "
             f"(longest {longest} tokens) and are {fate}")
-    init_ray(num_cpus=cfg.num_workers * cfg.threads_per_worker + 2)  # +2: Ray Data reads beside the workers
+    init_ray(num_cpus=cfg.workers * cfg.threads_per_worker + 2)  # +2: Ray Data reads beside the workers
     log_file = out / "train_log.jsonl"
     trainer = make_trainer(
         train_loop, {"cfg": cfg, "train_ds": load_split(files, cfg.data.val_fraction, False),
@@ -197,7 +197,7 @@ def run(cfg: SftConfig, *, log: Callable[[str], None] = logger.info,
                      "image_dir": storage_location(image_dir),
                      "model_dir": model_dir, "total_steps": steps, "train_rows": n_train, "val_rows": n_val,
                      "log_file": str(log_file)},
-        num_workers=cfg.num_workers, threads_per_worker=cfg.threads_per_worker, use_gpu=cfg.use_gpu,
+        num_workers=cfg.workers, threads_per_worker=cfg.threads_per_worker, use_gpu=cfg.use_gpu,
         storage=out, name="train", keep=cfg.keep, max_failures=cfg.max_failures)
     t0 = time.time()
     result = trainer.fit()

@@ -124,7 +124,7 @@ def train_loop(config: dict) -> None:
     processor = load_processor(config["model_dir"])
     params = [p for p in model.parameters() if p.requires_grad]
     optim = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
-    sched = torch.optim.lr_scheduler.LambdaLR(optim, lr_lambda(total, cfg.warmup, cfg.min_lr_ratio))
+    sched = torch.optim.lr_scheduler.LambdaLR(optim, lr_lambda(total, cfg.warmup_share, cfg.min_lr_ratio))
     engine = init_engine(model, optim, sched, ds_cfg)
     rehearsal.note_peak("load")
 

@@ -71,7 +71,7 @@ class TrainEdsrConfig:
     batch_size: int = opt(16, "Patches per worker per step.")
     lr_patch: int = opt(32, "Low-resolution patch side; the HR patch is lr_patch * scale.")
     lr: float = opt(1e-3, "Peak Adam learning rate (cosine decay to 1% after a 2% warm-up).")
-    num_workers: int = opt(2, "Ray Train workers (data-parallel, gloo).", hashed=False)
+    workers: int = opt(2, "Ray Train workers (data-parallel, gloo).", hashed=False)
     threads_per_worker: int = opt(1, "torch threads per worker.", hashed=False)
     ckpt_every: int = opt(100, "Checkpoint (and validate) every N steps.")
     max_failures: int = opt(3, "Worker-group failures Ray Train recovers from (restarting at the last "
@@ -216,12 +216,12 @@ def run(cfg: TrainEdsrConfig) -> dict:
     from osvl.cluster import init_ray
     from osvl.tools.super_resolution import evaluate, load_model, read_rgb
 
-    init_ray(num_cpus=max(2, cfg.num_workers * cfg.threads_per_worker))
+    init_ray(num_cpus=max(2, cfg.workers * cfg.threads_per_worker))
     trainer = TorchTrainer(
         train_loop,
         train_loop_config={"cfg": cfg},
         torch_config=TorchConfig(backend="gloo"),
-        scaling_config=ray.train.ScalingConfig(num_workers=cfg.num_workers, use_gpu=False,
+        scaling_config=ray.train.ScalingConfig(num_workers=cfg.workers, use_gpu=False,
                                                resources_per_worker={"CPU": cfg.threads_per_worker}),
         run_config=ray.train.RunConfig(name="train", storage_path=str(out),
                                        checkpoint_config=ray.train.CheckpointConfig(num_to_keep=2),
