@@ -47,21 +47,19 @@ import torch  # noqa: E402
 def episodes(cfg: Any, model: Path, qdir: Path, rl_rows: list[dict], held_rows: list[dict], image_dir: Path,
              seed: int) -> tuple[list[list[Any]], list[Any]]:
     """G sampled episodes per RL row and one greedy episode per held-out row, scored; their images saved."""
-    from osvl.agent.engines import make_engine
+    from osvl.agent.env import build_env
     from osvl.agent.loop import run_episode
     from osvl.agent.reward import score_trajectory
     from osvl.agent.trajectory import png_bytes, question_images
-    from osvl.tools import text_search
-    from osvl.tools.client import make_client
     from osvl.tools.registry import offered_tools
 
     rc, G = cfg.rollout, cfg.rl.group_size
     image_dir.mkdir(parents=True, exist_ok=True)
 
     async def go() -> tuple[list[list[Any]], list[Any]]:
-        engine = make_engine(rc.engine, str(model), max_batch=rc.max_batch)
-        text_search.configure(rc.text_search)  # the rollouts' search engine, the one the SFT records show
-        client, tools = make_client("inprocess"), offered_tools(rc.offer, rc.schemas)
+        # the rollouts' engine and search engine (the one the SFT records show), tools in this process
+        env = build_env(model=str(model), engine=rc.engine, max_batch=rc.max_batch, text_search=rc.text_search)
+        engine, client, tools = env.engine, env.client, offered_tools(rc.offer, rc.schemas)
         sem = asyncio.Semaphore(cfg.eval.concurrency)
 
         async def one(row: dict, agent: Any, s: int, gid: str, i: int) -> Any:
@@ -82,7 +80,7 @@ def episodes(cfg: Any, model: Path, qdir: Path, rl_rows: list[dict], held_rows: 
             greedy = rc.episode_agent(greedy=True)
             held = await asyncio.gather(*(one(row, greedy, 0, f"h{k}", 0) for k, row in enumerate(held_rows)))
         finally:
-            engine.close()
+            await env.aclose()
         return [list(g) for g in groups], list(held)
 
     return asyncio.run(go())

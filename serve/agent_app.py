@@ -22,7 +22,9 @@ OpenAI engine writes them) are dropped. Request fields: ``model``, ``messages``,
 (the episode's sampling seed, modulo 2^31), ``n`` (1 only) and ``user`` (ignored); any other field is refused with a
 400 naming it (``unsupported_field``).
 Tools run through the tool app's Serve handles (``tools: handle``, the ``osvl_tools`` app of
-``serve/app.py``) or in the replica (``inprocess``). One Serve instance has one HTTP port, so with
+``serve/app.py``) or in the replica (``inprocess``, searching with the config's ``text_search`` settings: set
+them to the training run's ``rollout.text_search``). The replica's engine, tool client and search backend come
+from ``osvl.agent.env.build_env``, as in training. One Serve instance has one HTTP port, so with
 ``tools: handle`` the two are two apps of it under distinct route prefixes: ``deploy`` starts the tool
 app at ``tools_route_prefix`` (``/tools``: its API at ``http://127.0.0.1:PORT/tools/v1/tools``) unless
 it already runs, then the agent at ``route_prefix`` (``/``).
@@ -71,10 +73,12 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
 
 from osvl.agent.engines import EngineKind
+from osvl.agent.env import build_env
 from osvl.agent.loop import AgentConfig
 from osvl.config import from_dict, opt
 from osvl.errors import FetchRefused, InvalidCall, OsvlError
 from osvl.tools.client import MAX_PIXELS, decode_image
+from osvl.tools.text_search import TextSearchConfig
 from serve.app import SWALLOW_FACTOR, ToolAPI, check_host, serve_until_interrupted
 
 AGENT_APP = "osvl_agent"
@@ -98,6 +102,11 @@ class AgentServeConfig:
                                "(osvl.agent.evaluate.trained_tools), else every tool.")
     tools: Literal["inprocess", "handle"] = opt("inprocess", "Tool transport: handle (the osvl_tools Serve app) or "
                                                              "inprocess.")
+    text_search: TextSearchConfig = opt(
+        TextSearchConfig, "text_search's settings (tools=inprocess): the search engine the checkpoint was trained "
+        "with (the GRPO job's rollout.text_search), so that the service's agent reads the hits its policy learnt "
+        "on. With tools=handle the tool app's settings apply (serve/app.py): deploy starts it with these unless "
+        "it runs already.")
     agent: AgentConfig = opt(AgentConfig(max_turns=6, max_new_tokens=128, max_episode_tokens=3072, temperature=0.0),
                              "Agent budgets of every request.")
     fetch_urls: bool = opt(False, "Fetch http(s) image URLs (through the SSRF guard); off = data URLs only.")
@@ -280,24 +289,19 @@ api = FastAPI(title="osvl agent", version="1", description="The osvl agent behin
 @serve.ingress(api)
 class AgentService:
     def __init__(self, cfg: dict[str, Any], model_path: str, token_sha256: str = "") -> None:
-        from osvl.agent.engines import make_engine
         from osvl.agent.evaluate import trained_tools
-        from osvl.tools.client import make_client
         from osvl.tools.registry import offered_tools
 
         self.cfg = from_dict(AgentServeConfig, cfg)
         self.token_sha256 = token_sha256
-        self.engine = make_engine(self.cfg.engine, model_path)
         self.tools = offered_tools(self.cfg.offer or trained_tools(model_path))
         if self.cfg.model == "tiny-agent" and not self.cfg.offer:
             from osvl.agent.scripted import agent_tools
 
             self.tools = [t.schema for t in agent_tools().values()]  # the short schemas it was fine-tuned with
-        self.client = make_client(self.cfg.tools)
-        if self.cfg.tool_latency_s > 0:
-            from osvl.tools.client import MeteredClient
-
-            self.client = MeteredClient(self.client, self.cfg.tool_latency_s)
+        env = build_env(model=model_path, engine=self.cfg.engine, transport=self.cfg.tools,
+                        text_search=self.cfg.text_search, latency_s=self.cfg.tool_latency_s)
+        self.engine, self.client = env.engine, env.client
         self.served = 0
         self.cancelled = 0  # episodes whose streaming client went away
 
@@ -404,11 +408,12 @@ def make_agent_app(cfg: AgentServeConfig) -> serve.Application:
 
 def deploy(cfg: AgentServeConfig, tools: Any = None) -> None:
     """Run the agent app on the running Serve instance; with ``tools: handle`` first the tool app (``tools``, a
-    ``serve.app.ServeConfig``; default: every tool) at ``tools_route_prefix``, unless it already runs."""
-    from serve.app import run_unless_running
+    ``serve.app.ServeConfig``; default: every tool, searching with ``cfg.text_search``) at ``tools_route_prefix``,
+    unless it already runs."""
+    from serve.app import ServeConfig, run_unless_running
 
     if cfg.tools == "handle":
-        run_unless_running(tools, cfg.tools_route_prefix)
+        run_unless_running(tools or ServeConfig(text_search=cfg.text_search), cfg.tools_route_prefix)
     serve.run(make_agent_app(cfg), name=cfg.app_name, route_prefix=cfg.route_prefix)
 
 

@@ -73,6 +73,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 from ray import serve
 
+from osvl.agent.env import search_backends
 from osvl.config import from_dict, opt
 from osvl.tools.base import MAX_PIXELS, InvalidCall, Tool, ToolContext, ToolResult, call_tool
 from osvl.tools.client import (
@@ -89,6 +90,8 @@ from osvl.tools.client import (
     result_to_multipart,
     result_to_wire,
 )
+from osvl.tools.image_search import ImageSearchConfig
+from osvl.tools.text_search import TextSearchConfig
 
 APP_NAME = "osvl_tools"
 
@@ -110,6 +113,10 @@ class ServeConfig:
     timeout_s: float = opt(60.0, "Per-call deadline at the ingress, in seconds (504 after).")
     options: dict[str, Any] = opt({}, "Backend options handed to every tool in ToolContext.options "
                                   "(edsr_weights: an EDSR checkpoint path; ocr_backend: rapidocr or tesseract; ...).")
+    text_search: TextSearchConfig = opt(
+        TextSearchConfig, "text_search's settings: the search engine of the agents that call this app (rollouts and "
+        "the agent service with tools=handle: set the GRPO job's rollout.text_search here).")
+    image_search: ImageSearchConfig = opt(ImageSearchConfig, "image_search's settings.")
     token_env: str = opt("OSVL_TOOLS_TOKEN", "Environment variable holding the bearer token; "
                          "when it is set where the app is built, every /v1 call must carry it.")
     role_units: float = opt(0.0, "Units of the cluster's tools resource (osvl.cluster.ROLE_RESOURCES) each "
@@ -155,7 +162,9 @@ class _ToolReplica:
         keep_freed_memory()
         self.tool = tool
         self.cfg = from_dict(ServeConfig, cfg)
-        self.options: dict[str, Any] = dict(self.cfg.options)
+        # the search backends of this app's settings, each built on its replica's first search (osvl.agent.env)
+        self.options: dict[str, Any] = {**search_backends(self.cfg.text_search, self.cfg.image_search),
+                                        **self.cfg.options}
         self.in_flight = 0
         try:
             ctx = serve.get_replica_context()

@@ -48,10 +48,12 @@ from mcp.server.lowlevel.server import Server
 from starlette.requests import HTTPConnection
 from starlette.responses import JSONResponse
 
+from osvl.agent.env import build_env
 from osvl.config import opt
 from osvl.errors import ConfigError, InvalidCall
 from osvl.tools.base import MAX_PIXELS, Tool, ToolResult
-from osvl.tools.client import ToolClient, decode_image, make_client, png_bytes, result_to_wire
+from osvl.tools.client import ToolClient, decode_image, png_bytes, result_to_wire
+from osvl.tools.text_search import TextSearchConfig
 from serve.app import ToolAPI, check_host
 
 MCP_PATH = "/mcp"
@@ -75,7 +77,7 @@ class McpConfig:
 
     tools: list[str] = opt([], "Tools offered; empty = every registered tool (osvl.tools.registry.all_tools).")
     transport: Literal["inprocess", "http", "handle"] = opt("inprocess", "How calls reach the tools "
-                                                                        "(osvl.tools.client.make_client): in this "
+                                                                        "(osvl.agent.env.build_env): in this "
                                                                         "process, the tool API over HTTP "
                                                                         "(tools_url), or its Serve handles.")
     tools_url: str = opt("", "transport=http: the tool API's base URL, e.g. http://127.0.0.1:8000.")
@@ -87,6 +89,8 @@ class McpConfig:
     max_body_bytes: int = opt(32 * 2**20, "Largest request body, bytes (the tool API's default; base64 images "
                                           "are a third larger than their files).")
     timeout_s: float = opt(60.0, "Deadline of one tool call, seconds (a timeout result after).")
+    text_search: TextSearchConfig = opt(
+        TextSearchConfig, "text_search's settings (transport=inprocess); with http or handle the tool API's apply.")
 
 
 def served_tools(cfg: McpConfig) -> dict[str, Tool]:
@@ -194,7 +198,8 @@ def build_app(cfg: McpConfig) -> AsgiApp:
     token = os.environ.get(cfg.token_env, "")
     if cfg.transport == "http" and not cfg.tools_url:
         raise ConfigError("transport=http needs tools_url, the tool API's base URL (http://127.0.0.1:8000)")
-    client = make_client(cfg.transport, url=cfg.tools_url, token=token or None, tools=tools, timeout_s=cfg.timeout_s)
+    client = build_env(transport=cfg.transport, url=cfg.tools_url, token=token or None, tools=tools,
+                       timeout_s=cfg.timeout_s, text_search=cfg.text_search).client
     # host decides the SDK's DNS-rebinding guard (on for loopback: a web page cannot reach a local server)
     app = make_server(cfg, tools, client).streamable_http_app(streamable_http_path=MCP_PATH, host=cfg.host,
                                                               max_request_body_size=cfg.max_body_bytes)

@@ -240,30 +240,30 @@ def test_grpo_pass_at_1_and_sft_format_check_run_through_the_core(questions, mon
     from osvl.models.tiny import tiny_checkpoint
     from osvl.rl.rollout import RolloutConfig, _eval_episodes, heldout_scores
     from osvl.sft.format_check import first_turns, format_check
-    from osvl.tools import text_search
+    from osvl.tools.client import ToolClient
+    from osvl.tools.text_search import TextSearchConfig
 
     qdir = questions
     rows = pq.read_table(qdir / "sft.parquet").to_pylist()[:2]
     seen = []
+    searched_with = []
     real = core.evaluate_item
 
     async def counting(engine, item, images, client, mode, cfg, **kw):
         seen.append((mode, cfg.max_turns, [t["function"]["name"] for t in kw["tools"]]))
+        if isinstance(client, ToolClient):  # first_turns' stand-in client runs no tool
+            searched_with.append(client.transport.options["text_search"].cfg)
         return await real(engine, item, images, client, mode, cfg, **kw)
 
     monkeypatch.setattr(core, "evaluate_item", counting)
     model = tiny_checkpoint("qwen3_vl")
     # the rollouts' search settings (here: shorter snippets) are the ones the evaluation's tools search with
-    searching = text_search.DEFAULT.cfg
     cfg = RolloutConfig(offer=["image_search", "text_search"], agent=AgentConfig(max_turns=2, max_new_tokens=16),
-                        text_search=dataclasses.replace(searching, snippet_chars=120))
+                        text_search=dataclasses.replace(TextSearchConfig(), snippet_chars=120))
     # heldout_scores runs its episodes in a Ray task (never the driver): the spy watches them in this process
-    try:
-        assert asyncio.run(_eval_episodes(str(model), rows, str(qdir / "images"), cfg, 16,
-                                          ("agentic", "direct"))) == {"agentic": [0.0, 0.0], "direct": [0.0, 0.0]}
-        assert text_search.DEFAULT.cfg == cfg.text_search
-    finally:
-        text_search.configure(searching)
+    assert asyncio.run(_eval_episodes(str(model), rows, str(qdir / "images"), cfg, 16,
+                                      ("agentic", "direct"))) == {"agentic": [0.0, 0.0], "direct": [0.0, 0.0]}
+    assert searched_with and all(c == cfg.text_search for c in searched_with)
     assert sorted(m for m, _, _ in seen) == ["agentic", "agentic", "direct", "direct"]
     assert all(turns == 2 and sorted(names) == ["image_search", "text_search"] for _, turns, names in seen)
     # the untrained model never answers

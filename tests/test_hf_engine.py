@@ -17,6 +17,7 @@ import torch
 from osvl.agent import scripted
 from osvl.agent.engines import make_engine
 from osvl.agent.engines.base import GenRequest, Sampling
+from osvl.agent.env import build_env
 from osvl.agent.loop import AgentConfig, run_episode
 from osvl.agent.trajectory import (
     TrajectoryBuilder,
@@ -27,7 +28,6 @@ from osvl.agent.trajectory import (
 )
 from osvl.errors import ConfigError
 from osvl.models.tiny import tiny_checkpoint
-from osvl.tools.client import InProcessTransport, ToolClient
 
 pytestmark = pytest.mark.slow
 N_EPISODES = 8
@@ -69,7 +69,7 @@ class Recorder:
 
 async def episodes(eng, n: int, store: dict) -> list:
     tools = scripted.agent_tools()
-    client = ToolClient(InProcessTransport(tools))
+    client = build_env(tools=tools).client
     cfg = AgentConfig(max_turns=5, max_new_tokens=96, max_episode_tokens=2048, temperature=1.0)
 
     async def one(i: int):

@@ -31,10 +31,9 @@ def processor():
 
 @pytest.mark.slow
 def test_sharegpt_round_trip_of_teacher_records(tmp_path, processor):
+    from osvl.agent.env import build_env
     from osvl.agent.loop import AgentConfig, run_episode
     from osvl.agent.teacher import PathOracle
-    from osvl.tools import text_search
-    from osvl.tools.client import make_client
     from osvl.tools.registry import all_tools
 
     qdir = sample_questions(str(tmp_path / "q"))
@@ -44,21 +43,17 @@ def test_sharegpt_round_trip_of_teacher_records(tmp_path, processor):
               if r["degraded"] and json.loads(r["degradation"])["undo_tool"] != "perspective_correct"][:2]
     picked += [r for r in rows if not r["degraded"]][:2]
     tools = [t.schema for t in all_tools().values()]
-    text_search.configure(text_search.TextSearchConfig(dense_rerank=False))
     store: dict[str, np.ndarray] = {}
 
     async def record():
-        client = make_client("inprocess")
+        client = build_env().client
         cfg = AgentConfig(max_turns=16, max_new_tokens=512, max_episode_tokens=8192)
         out = [await run_episode(PathOracle(r), r, [_rgb(qdir / "images" / r["images"][0])], client, cfg,
                                  processor=processor, tools=tools, image_store=store) for r in picked]
         await client.close()
         return out
 
-    try:
-        trajs = asyncio.run(record())
-    finally:
-        text_search.configure(text_search.TextSearchConfig())
+    trajs = asyncio.run(record())
     assert any(t.new_images for tr in trajs for t in tr.turns)
     write_trajectories(tmp_path / "run", trajs, store)
     stored = read_trajectories(tmp_path / "run")

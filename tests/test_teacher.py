@@ -47,10 +47,10 @@ def test_read_conversation_pairs_calls_and_answers():
 def run_oracle(qdir, rows, seeds, oracle_cfg=None):
     """(row, trajectory) of the oracle (``oracle_cfg``; None = defaults) on ``rows`` x ``seeds`` through the
     real agent loop and the real in-process tools."""
+    from osvl.agent.env import build_env
     from osvl.agent.loop import AgentConfig, run_episode
     from osvl.models.load import load_processor
     from osvl.models.tiny import tiny_checkpoint
-    from osvl.tools.client import make_client
     from osvl.tools.registry import all_tools
 
     processor = load_processor(tiny_checkpoint("qwen3_vl"))
@@ -58,7 +58,7 @@ def run_oracle(qdir, rows, seeds, oracle_cfg=None):
     cfg = AgentConfig(max_turns=16, max_new_tokens=512, max_episode_tokens=8192)
 
     async def run_all():
-        client = make_client("inprocess")
+        client = build_env().client  # the agent's environment, default search settings
         sem = asyncio.Semaphore(8)
 
         async def one(row, seed):
@@ -79,12 +79,8 @@ def run_oracle(qdir, rows, seeds, oracle_cfg=None):
 
 @pytest.fixture(scope="module")
 def questions(tmp_path_factory):
-    """The sample's synthesized questions (folder), searched without the dense re-ranker."""
-    from osvl.tools import text_search
-
-    text_search.configure(text_search.TextSearchConfig(dense_rerank=False))
-    yield sample_questions(str(tmp_path_factory.mktemp("questions")))
-    text_search.configure(text_search.TextSearchConfig())
+    """The sample's synthesized questions (folder)."""
+    return sample_questions(str(tmp_path_factory.mktemp("questions")))
 
 
 @pytest.fixture(scope="module")

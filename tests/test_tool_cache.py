@@ -158,18 +158,17 @@ def test_image_digest_sees_shape_and_pixels():
     assert image_digest(a) != image_digest(b)
 
 
-def test_key_without_backend_option_follows_the_default_config(tmp_path):
+def test_key_of_an_env_backend_follows_its_config_without_building_it(tmp_path):
+    from osvl.agent.env import search_backends
     from osvl.tools import text_search as ts
+    from osvl.tools.image_search import ImageSearchConfig
 
     tool = REGISTRY["text_search"]
     cache = ToolCache(tmp_path, "replay")
-    ctx = ToolContext(images={})
-    saved = ts.DEFAULT.cfg
-    try:
-        offline = cache.key(tool, {"query": "x"}, ctx)[0]
-        ts.configure(ts.TextSearchConfig(backend="web"))
-        web = cache.key(tool, {"query": "x"}, ctx)[0]
-        ts.configure(saved)
-        assert offline != web and cache.key(tool, {"query": "x"}, ctx)[0] == offline
-    finally:
-        ts.configure(saved)
+
+    def key(cfg: ts.TextSearchConfig) -> str:
+        backend = search_backends(cfg, ImageSearchConfig())["text_search"]
+        return cache.key(tool, {"query": "x"}, ToolContext(images={}, options={"text_search": backend}))[0]
+
+    offline = key(ts.TextSearchConfig())
+    assert offline != key(ts.TextSearchConfig(backend="web")) and key(ts.TextSearchConfig()) == offline

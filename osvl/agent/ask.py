@@ -2,7 +2,9 @@
 
 ``--model`` is a checkpoint directory, or ``tiny`` (the random-init tiny Qwen3-VL) or ``tiny-agent`` (the tiny
 model fine-tuned on scripted crop -> text_search -> response episodes, built once and cached; the default).
-Tools run in this process by default, or behind the tool API (``--tools http --url ...``). The printout shows
+Tools run in this process by default, searching with ``--text_search.*`` (set them to the training run's
+``rollout.text_search``), or behind the tool API (``--tools http --url ...``); the engine, tool client and search
+backend come from ``osvl.agent.env.build_env``, as in training. The printout shows
 every turn, the tool calls and their results, new images, the stop reason, the fatal step if any, and token
 counts; ``--out DIR`` also writes the trajectory record (Parquet + images) there.
 """
@@ -15,9 +17,11 @@ from pathlib import Path
 from typing import Literal
 
 from osvl.agent.engines import EngineKind
+from osvl.agent.env import build_env
 from osvl.agent.loop import AgentConfig
 from osvl.config import opt
 from osvl.errors import ConfigError
+from osvl.tools.text_search import TextSearchConfig
 
 JOB = "ask"
 
@@ -32,6 +36,9 @@ class AskConfig:
                                                            "--url).")
     url: str = opt("", "Tool API base URL for --tools http, e.g. http://127.0.0.1:8000.")
     tool_names: list[str] = opt([], "Tools offered to the model; empty = every tool the transport has.")
+    text_search: TextSearchConfig = opt(
+        TextSearchConfig, "text_search's settings (--tools inprocess): the search engine the model was trained with "
+        "(the GRPO job's rollout.text_search). With --tools http the tool API's settings apply.")
     seed: int = opt(0, "Sampling seed.")
     out: str = opt("", "If set, write the trajectory record (Parquet + images) into this directory.")
     agent: AgentConfig = opt(AgentConfig, "Episode budgets and fatal-step rules.")
@@ -83,21 +90,20 @@ async def ask(cfg: AskConfig) -> str:
     import numpy as np
     from PIL import Image
 
-    from osvl.agent.engines import make_engine
     from osvl.agent.loop import run_episode
     from osvl.agent.scripted import agent_tools
     from osvl.agent.trajectory import write_trajectories
-    from osvl.tools.client import make_client
 
     if not cfg.image or not cfg.question:
         raise ConfigError("give both --image FILE and --question TEXT")
     if not Path(cfg.image).is_file():
         raise ConfigError(f"--image: no file {cfg.image}")
     image = np.asarray(Image.open(cfg.image).convert("RGB"))
-    engine = make_engine(cfg.engine, str(resolve_model(cfg.model)))
     # the tiny agent only knows the short tool schemas it was fine-tuned with (same tool functions)
     tools = agent_tools() if cfg.model == "tiny-agent" and cfg.tools == "inprocess" else None
-    client = make_client(cfg.tools, url=cfg.url, tools=tools)
+    env = build_env(model=str(resolve_model(cfg.model)), engine=cfg.engine, transport=cfg.tools, url=cfg.url,
+                    tools=tools, text_search=cfg.text_search)
+    engine, client = env.engine, env.client
     try:
         schemas = await client.schemas() if cfg.tools == "http" else [
             t.schema for t in client.transport.tools.values()]
@@ -111,8 +117,7 @@ async def ask(cfg: AskConfig) -> str:
                                  cfg.agent, processor=engine.processor, tools=schemas, seed=cfg.seed,
                                  image_store=store)
     finally:
-        await client.close()
-        engine.close()
+        await env.aclose()
     text = show(traj)
     if cfg.out:
         text += f"\nwritten: {write_trajectories(cfg.out, [traj], store)}"

@@ -31,6 +31,7 @@ import numpy as np
 
 from osvl import chat as fmt
 from osvl.agent.engines.base import Sampling
+from osvl.agent.env import build_env
 
 AGENT_TOOLS = ("crop", "text_search")
 # (question, answer, text_search query). The thoughts are the same for every question so that a
@@ -142,12 +143,12 @@ def agent_tools() -> dict[str, Any]:
 
 async def _teacher_records(processor: Any) -> list[tuple[Any, list[np.ndarray]]]:
     from osvl.agent.loop import AgentConfig, run_episode
-    from osvl.tools.client import InProcessTransport, ToolClient
 
     tools = agent_tools()
     schemas = [t.schema for t in tools.values()]
     teacher = ScriptedTeacher(agent_plans())
-    client = ToolClient(InProcessTransport(tools))
+    env = build_env(tools=tools)  # the agent's environment with its default search settings
+    client = env.client
     cfg = AgentConfig(max_turns=4, max_episode_tokens=2048)
     out = []
     for i, (question, answer, _) in enumerate(PLANS):
@@ -156,7 +157,7 @@ async def _teacher_records(processor: Any) -> list[tuple[Any, list[np.ndarray]]]
         t = await run_episode(teacher, row, [picture(i)], client, cfg, processor=processor, tools=schemas,
                               image_store=store)
         out.append((t, [store[h] for h in t.images]))
-    await client.close()
+    await env.aclose()
     return out
 
 

@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from osvl.agent.engines import EngineKind, VLLMOptions
+from osvl.agent.env import build_env
 from osvl.agent.evaluate import MODES
 from osvl.agent.loop import AgentConfig
 from osvl.cluster import interpreter_env
@@ -43,7 +44,7 @@ from osvl.endpoint import EndpointConfig
 from osvl.errors import ConfigError, DataError
 from osvl.logs import Progress
 from osvl.tools.cache import CacheMode
-from osvl.tools.outages import OutageConfig, with_outages
+from osvl.tools.outages import OutageConfig
 from osvl.tools.text_search import TextSearchConfig
 from osvl.tracking import tracked
 
@@ -155,62 +156,36 @@ class EvalWorker:
 
         from osvl import storage
         from osvl.agent.evaluate import QUESTION_PREFIX, aliased, trained_tools
-        from osvl.tools import text_search
         from osvl.tools.registry import offered_tools
 
-        self.cfg = from_dict(EvalConfig, cfg)
+        self.cfg = cfg = from_dict(EvalConfig, cfg)
         # a location (this node's mirror of a remote cache, filled with what other runs recorded)
         self.cache = cache_root = str(storage.attach(cache_root))
-        torch.set_num_threads(max(1, int(self.cfg.cpus_per_actor)))
-        text_search.configure(self.cfg.text_search)
-        model = self.cfg.model
-        self.engine: Any = None
-        if model == "oracle" or model.startswith("openai:"):
-            from osvl.models.load import load_processor
-
-            self.processor = load_processor(model_path)
-            if model.startswith("openai:"):
-                from osvl.agent.engines.openai import OpenAIChatEngine
-                from osvl.agent.evaluate import LenientChat
-
-                self.engine = LenientChat(OpenAIChatEngine(baseline_endpoint(self.cfg)))
-            offer = self.cfg.offer
-        else:
-            from osvl.agent.engines import make_engine
-
-            self.engine = make_engine(self.cfg.engine, model_path, max_batch=self.cfg.max_batch, vllm=self.cfg.vllm,
-                                      episode_tokens=self.cfg.agent.max_episode_tokens)
-            self.processor = self.engine.processor
-            offer = self.cfg.offer or trained_tools(model_path)
-        schemas = offered_tools(offer, self.cfg.schemas)
-        if model == "tiny-agent" and not (self.cfg.offer or self.cfg.schemas):
+        torch.set_num_threads(max(1, int(cfg.cpus_per_actor)))
+        model = cfg.model
+        chat = model == "oracle" or model.startswith("openai:")  # the oracle is bound to one question: no engine
+        offer = cfg.offer if chat else cfg.offer or trained_tools(model_path)
+        schemas = offered_tools(offer, cfg.schemas)
+        if model == "tiny-agent" and not (cfg.offer or cfg.schemas):
             from osvl.agent.scripted import agent_tools
 
             schemas = [t.schema for t in agent_tools().values()]  # the short schemas it was fine-tuned with
-        self.tools, names = aliased(schemas, self.cfg.alias_set)
-        self.prefix = QUESTION_PREFIX.get(self.cfg.alias_set, "")
-        self.client = self._client(cache_root, names)
-        self.judge = None
-        if self.cfg.judge == "llm":
-            from osvl.agent.engines.openai import OpenAIChatEngine
-            from osvl.agent.judge import LLMJudge
+        self.tools, names = aliased(schemas, cfg.alias_set)
+        self.prefix = QUESTION_PREFIX.get(cfg.alias_set, "")
+        env = build_env(model="" if chat else model_path, engine=cfg.engine, max_batch=cfg.max_batch, vllm=cfg.vllm,
+                        episode_tokens=cfg.agent.max_episode_tokens,
+                        chat=baseline_endpoint(cfg) if model.startswith("openai:") else None, lenient=True,
+                        transport=cfg.tools, url=cfg.tools_url, cache=cfg.tool_cache, cache_root=cache_root,
+                        text_search=cfg.text_search, latency_s=cfg.tool_latency_s, aliases=names,
+                        outages=cfg.outages, judge=cfg.judge_endpoint if cfg.judge == "llm" else None,
+                        judge_cache=str(Path(cache_root).parent / "judge_cache.jsonl"))
+        self.engine, self.client, self.judge = env.engine, env.client, env.llm_judge
+        if chat:
+            from osvl.models.load import load_processor
 
-            self.judge = LLMJudge(OpenAIChatEngine(self.cfg.judge_endpoint, cut=False),
-                                  cache_path=str(Path(cache_root).parent / "judge_cache.jsonl"))
-
-    def _client(self, cache_root: str, names: dict[str, str]) -> Any:
-        from osvl.agent.evaluate import AliasClient
-        from osvl.tools.client import MeteredClient, ToolClient, make_client
-
-        if self.cfg.tools == "http":
-            client = make_client("http", url=self.cfg.tools_url)
+            self.processor = load_processor(model_path)
         else:
-            from osvl.tools.client import CachedInProcess
-
-            client = ToolClient(CachedInProcess(self.cfg.tool_cache, cache_root))
-        if self.cfg.tool_latency_s > 0:
-            client = MeteredClient(client, self.cfg.tool_latency_s)
-        return with_outages(AliasClient(client, names) if names else client, self.cfg.outages)
+            self.processor = self.engine.processor
 
     async def _one(self, item: dict[str, Any], mode: str) -> dict[str, Any]:
         from osvl.agent.evaluate import evaluate_item

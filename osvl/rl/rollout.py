@@ -34,6 +34,7 @@ from typing import Any, Literal
 
 from osvl import storage
 from osvl.agent.engines import EngineKind, VLLMOptions
+from osvl.agent.env import build_env
 from osvl.agent.fatal import MaskStart
 from osvl.agent.loop import AgentConfig
 from osvl.agent.reward import RewardConfig
@@ -41,7 +42,7 @@ from osvl.cluster import interpreter_env, role_resources
 from osvl.config import opt
 from osvl.endpoint import EndpointConfig
 from osvl.errors import ConfigError
-from osvl.tools.outages import OutageConfig, with_outages
+from osvl.tools.outages import OutageConfig
 from osvl.tools.text_search import TextSearchConfig
 
 
@@ -139,7 +140,6 @@ class RolloutWorker:
                  mask_at: MaskStart = "cascade", recorder: Any = None) -> None:
         import torch
 
-        from osvl.agent.engines import make_engine
         from osvl.tools.registry import offered_tools
 
         torch.set_num_threads(max(1, int(cfg.cpus_per_actor)))
@@ -149,45 +149,24 @@ class RolloutWorker:
         # locations (osvl.storage): this actor may run on a node that holds no copy of the folders
         self.question_image_dir, self.image_dir = storage.attach(question_image_dir), storage.attach(image_dir)
         self.image_dir.mkdir(parents=True, exist_ok=True)
-        self.engine = make_engine(cfg.engine, str(storage.attach(model_dir)), max_batch=cfg.max_batch, version=-1,
-                                  vllm=cfg.vllm, episode_tokens=cfg.agent.max_episode_tokens)
+        self.rec = recorder
+        # with tools=handle the Serve tool app's search settings apply; the judges' verdict cache lives in memory
+        # for the actor's life: the G samples of a group that give the same answer, and a question asked again
+        # at a later step, ask the endpoint once
+        env = build_env(model=str(storage.attach(model_dir)), engine=cfg.engine, max_batch=cfg.max_batch, version=-1,
+                        vllm=cfg.vllm, episode_tokens=cfg.agent.max_episode_tokens, transport=cfg.tools,
+                        text_search=cfg.text_search, latency_s=cfg.tool_latency_s, recorder=recorder,
+                        outages=cfg.outages, judge=cfg.judge if cfg.reward.uses_llm() else None)
+        self.engine, self.client = env.engine, env.client
+        self.llm_judge, self.process_judge = env.llm_judge, env.process_judge
         self.processor = self.engine.processor
         self.tools = offered_tools(cfg.offer, cfg.schemas)
-        self.rec = recorder
-        self.client = self._client()
-        self.llm_judge, self.process_judge = self._judges()
         self.agent_cfg = cfg.episode_agent()
         self.stats = ActorStats()
         self._version_event: asyncio.Event | None = None
         self.newest_seen = -1  # newest published version the weight poll has returned
         self.in_flight = 0
         self._engine_seen: dict[str, int] = {}
-
-    def _client(self):
-        from osvl.tools import text_search
-        from osvl.tools.client import MeteredClient, make_client
-
-        if self.cfg.tools == "inprocess":
-            text_search.configure(self.cfg.text_search)
-        client = make_client(self.cfg.tools)
-        if self.cfg.tool_latency_s > 0 or self.rec is not None:
-            client = MeteredClient(client, self.cfg.tool_latency_s, self.rec)
-        return with_outages(client, self.cfg.outages)
-
-    def _judges(self) -> tuple[Any, Any]:
-        """The LLM judges ``rollout.reward`` asks for, on one endpoint client (None where the rule scores).
-
-        Their verdict cache lives in memory for the actor's life: the G samples of a group that give the
-        same answer, and a question asked again at a later step, ask the endpoint once.
-        """
-        if not self.cfg.reward.uses_llm():
-            return None, None
-        from osvl.agent.engines.openai import OpenAIChatEngine
-        from osvl.agent.judge import LLMJudge
-        from osvl.agent.reward import ProcessJudge
-
-        engine = OpenAIChatEngine(self.cfg.judge, cut=False)
-        return LLMJudge(engine), ProcessJudge(engine)
 
     # -- metrics (osvl/metrics.py; skipped when the actor was built without a recorder) ----------
 
@@ -355,31 +334,27 @@ class RolloutWorker:
 
 async def _eval_episodes(model_dir: str, questions: list[dict[str, Any]], image_dir: str, cfg: RolloutConfig,
                          concurrency: int, modes: tuple[str, ...] = ("agentic",)) -> dict[str, list[float]]:
-    from osvl.agent.engines import make_engine
     from osvl.agent.evaluate import evaluate_item
     from osvl.agent.trajectory import question_images
-    from osvl.tools import text_search
-    from osvl.tools.client import make_client
     from osvl.tools.registry import offered_tools
 
-    engine = make_engine(cfg.engine, model_dir, max_batch=cfg.max_batch, vllm=cfg.vllm,
-                         episode_tokens=cfg.agent.max_episode_tokens)
-    text_search.configure(cfg.text_search)
-    client = make_client("inprocess")
+    # the rollouts' environment with in-process tools and without their outages, latency or judges
+    env = build_env(model=model_dir, engine=cfg.engine, max_batch=cfg.max_batch, vllm=cfg.vllm,
+                    episode_tokens=cfg.agent.max_episode_tokens, text_search=cfg.text_search)
     tools = offered_tools(cfg.offer, cfg.schemas)
     agent = cfg.episode_agent(greedy=True)
     sem = asyncio.Semaphore(concurrency)
 
     async def one(row: dict[str, Any], mode: str) -> float:
         async with sem:
-            res = await evaluate_item(engine, row, question_images(Path(image_dir), row), client, mode, agent,
-                                      processor=engine.processor, tools=tools)
+            res = await evaluate_item(env.engine, row, question_images(Path(image_dir), row), env.client, mode,
+                                      agent, processor=env.engine.processor, tools=tools)
             return float(res.record["correct"])
 
     try:
         return {mode: list(await asyncio.gather(*(one(r, mode) for r in questions))) for mode in modes}
     finally:
-        engine.close()
+        await env.aclose()
 
 
 def heldout_scores(model_dir: str | Path, questions: list[dict[str, Any]], image_dir: str | Path,

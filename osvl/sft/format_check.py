@@ -42,7 +42,7 @@ def first_turns(model_dir: str, heldout: Path, n: int, offer: list[str] | None =
     """Greedy first assistant turns of the model in ``model_dir`` on ``n`` held-out questions."""
     import pyarrow.parquet as pq
 
-    from osvl.agent.engines.hf import HFEngine
+    from osvl.agent.env import build_env
     from osvl.agent.evaluate import evaluate_item
     from osvl.agent.loop import AgentConfig
     from osvl.agent.trajectory import question_images
@@ -51,7 +51,7 @@ def first_turns(model_dir: str, heldout: Path, n: int, offer: list[str] | None =
     rows = pq.read_table(heldout, columns=["id", "question", "answer", "images"]).to_pylist()[:n]
     tools = offered_tools(list(offer or []))
     agent = AgentConfig(max_turns=1, max_new_tokens=max_new_tokens, max_episode_tokens=32_768, temperature=0.0)
-    engine = HFEngine(model_dir, max_batch=16)
+    engine = build_env(model=model_dir, max_batch=16, transport=None).engine  # no tool runs: one turn
     try:
         async def go() -> list[Any]:
             client = _NotRun()

@@ -31,6 +31,7 @@ from typing import Any, Literal, get_args
 import numpy as np
 import pyarrow as pa
 
+from osvl.agent.env import build_env
 from osvl.agent.judge import normalize_answer
 from osvl.config import opt
 from osvl.endpoint import EndpointConfig
@@ -85,17 +86,13 @@ class NoToolsModel:
     def __init__(self, cfg: DifficultyConfig) -> None:
         self.cfg = cfg
         if cfg.engine == "openai":
-            from osvl.agent.engines.openai import OpenAIChatEngine
-            from osvl.agent.evaluate import LenientChat
             from osvl.models.load import load_processor
             from osvl.models.tiny import tiny_checkpoint
 
-            self.engine = LenientChat(OpenAIChatEngine(cfg.endpoint, cut=False))
+            self.engine = build_env(chat=cfg.endpoint, lenient=True, transport=None).engine
             self.processor = load_processor(tiny_checkpoint("qwen3_vl"))  # renders the record only
         else:
-            from osvl.agent.engines import make_engine
-
-            self.engine = make_engine(cfg.engine, cfg.model)
+            self.engine = build_env(model=cfg.model, engine=cfg.engine, transport=None).engine
             self.processor = self.engine.processor
 
     async def correct(self, row: dict[str, Any], image: np.ndarray) -> bool:
@@ -118,18 +115,21 @@ def _load_rgb(path: Path) -> np.ndarray:
 
 
 def filter_rows(rows: list[dict[str, Any]], cfg: DifficultyConfig, kg_dir: str = "", model: NoToolsModel | None = None,
-                counts: Counter[str] | None = None) -> list[dict[str, Any]]:
+                counts: Counter[str] | None = None, search: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     """The rows that survive every configured stage; ``counts`` gets ``<stage>:<reason>`` tallies.
 
     ``kg_dir``: the KG folder whose images/ hold the undegraded anchor photos; empty = the committed sample.
+    ``search``: the search backends stage 2 calls (an ``AgentEnv``'s ``search``: the agent's own image search,
+    default settings); None builds them here.
     """
     from osvl.kg.schema import SAMPLE_DIR
     from osvl.tools.base import ToolContext, call_tool
     from osvl.tools.registry import all_tools
 
     counts = counts if counts is not None else Counter()
+    options = search if search is not None else build_env().search
     kg_images = Path(kg_dir or SAMPLE_DIR) / "images"
-    search = all_tools()["image_search"]
+    image_search = all_tools()["image_search"]
     originals: dict[str, np.ndarray] = {}
     searched: dict[str, str] = {}  # anchor photo -> its search result text: many questions share a photo
 
@@ -160,8 +160,8 @@ def filter_rows(rows: list[dict[str, Any]], cfg: DifficultyConfig, kg_dir: str =
             for row in kept:
                 name = row["provenance"]["anchor_image"]
                 if name not in searched:
-                    result = call_tool(search, {"image": "img_1", "top_k": cfg.top_k},
-                                       ToolContext({"img_1": original(row)}))
+                    result = call_tool(image_search, {"image": "img_1", "top_k": cfg.top_k},
+                                       ToolContext({"img_1": original(row)}, options=options))
                     searched[name] = result.text if result.ok else ""
                 if answer_in(searched[name], row["answer"], row["answer_aliases"]):
                     counts["one_image_search:answer_in_result"] += 1
@@ -187,11 +187,12 @@ class DifficultyFilter:
         self.cfg.check()
         self.kg_dir = synth_cfg.kg_dir
         self.model = NoToolsModel(self.cfg) if self.cfg.has_model() and "no_tools" in self.cfg.stages else None
+        self.search = build_env().search  # the agent's image search, its index loaded once per actor
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         counts: Counter[str] = Counter()
         rows = batch.to_pylist()
-        kept = filter_rows(rows, self.cfg, self.kg_dir, self.model, counts)
+        kept = filter_rows(rows, self.cfg, self.kg_dir, self.model, counts, self.search)
         logger.info(f"difficulty filter: {len(rows)} in, {len(kept)} kept; drops {dict(counts)}")
         if self.cfg.report:
             with open(self.cfg.report, "a") as f:

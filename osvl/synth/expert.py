@@ -50,6 +50,7 @@ from typing import Any, Literal, get_args
 import numpy as np
 
 from osvl import storage
+from osvl.agent.env import build_env
 from osvl.agent.loop import AgentConfig
 from osvl.agent.reward import RewardConfig
 from osvl.agent.teacher import OracleConfig
@@ -59,7 +60,7 @@ from osvl.errors import ConfigError, DataError, EndpointUnavailable
 from osvl.models.tiny import TinyKind, checkpoint_name
 from osvl.synth.walks import Split
 from osvl.tools.cache import CacheMode
-from osvl.tools.outages import OutageConfig, with_outages
+from osvl.tools.outages import OutageConfig
 from osvl.tools.text_search import TextSearchConfig
 from osvl.tracking import tracked
 
@@ -187,7 +188,6 @@ class ShardWorker:
 
     def __init__(self, cfg: dict[str, Any], qdir: str, out_dir: str) -> None:
         from osvl.models.load import load_processor
-        from osvl.tools import text_search
         from osvl.tools.registry import all_tools
 
         self.cfg = from_dict(TrajConfig, cfg)
@@ -199,7 +199,14 @@ class ShardWorker:
 
             model = str(tiny_checkpoint(self.cfg.tiny_kind))
         self.processor = load_processor(model)
-        text_search.configure(self.cfg.tools.text_search)
+        # one env for the worker's life: its search index is loaded once; endpoint clients are closed after each
+        # shard (each runs on an event loop of its own) and reopen on the next one's first request
+        cfg = self.cfg
+        self.env = build_env(chat=cfg.teacher.endpoint if cfg.teacher.kind == "openai" else None,
+                             cache=cfg.tools.cache, cache_root=cfg.tools.cache_dir, timeout_s=120.0,
+                             text_search=cfg.tools.text_search, outages=cfg.tools.outages,
+                             judge=cfg.judge if cfg.reward.uses_llm() else None,
+                             judge_cache=str(self.out / "judge_cache.jsonl") if cfg.judge_cache else "")
         tools = all_tools()
         unknown = sorted(set(self.cfg.offer) - set(tools))
         if unknown:
@@ -219,35 +226,15 @@ class ShardWorker:
         return {"shard": np.array(done), "kept": np.array(kept), "seconds": np.array(secs)}
 
     async def run_shard(self, shard: int, rows: list[dict[str, Any]]) -> Counter[str]:
-        from osvl.agent.judge import LLMJudge
         from osvl.agent.loop import run_episode
-        from osvl.agent.reward import ProcessJudge, mark_failed_groups, score_trajectory
+        from osvl.agent.reward import mark_failed_groups, score_trajectory
         from osvl.agent.trajectory import write_trajectories
 
-        cfg = self.cfg
-        engines: list[Any] = []
-        teacher = None
-        if cfg.teacher.kind == "openai":
-            from osvl.agent.engines.openai import OpenAIChatEngine
-
-            teacher = OpenAIChatEngine(cfg.teacher.endpoint)
-            engines.append(teacher)
-        llm_judge = process_judge = None
-        if cfg.reward.uses_llm():
-            from osvl.agent.engines.openai import OpenAIChatEngine
-
-            judge_engine = OpenAIChatEngine(cfg.judge, cut=False)
-            engines.append(judge_engine)
-            cache = str(self.out / "judge_cache.jsonl") if cfg.judge_cache else None
-            llm_judge = LLMJudge(judge_engine, cache_path=cache)
-            process_judge = ProcessJudge(judge_engine)
+        cfg, env = self.cfg, self.env
+        teacher, client, llm_judge, process_judge = env.engine, env.client, env.llm_judge, env.process_judge
         counts: Counter[str] = Counter()
         sem = asyncio.Semaphore(cfg.concurrency)
         store: dict[str, np.ndarray] = {}
-        from osvl.tools.client import CachedInProcess, ToolClient
-
-        client = with_outages(ToolClient(CachedInProcess(cfg.tools.cache, cfg.tools.cache_dir), timeout_s=120.0),
-                              cfg.tools.outages)
 
         async def rollout(row: dict[str, Any], image: np.ndarray, k: int) -> Any:
             from osvl.agent.teacher import PathOracle
@@ -293,9 +280,7 @@ class ShardWorker:
         try:
             kept = [t for group in await asyncio.gather(*(question(r) for r in rows)) for t in group]
         finally:
-            await client.close()
-            for e in engines:
-                await e.close()
+            await env.aclose()
         counts["questions"] += len(rows)
         counts["kept"] += len(kept)
         counts["questions_kept"] += len({t.question_id for t in kept})

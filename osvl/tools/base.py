@@ -15,14 +15,18 @@ limit are ``invalid_call`` with ``limit=True`` so the HTTP layer can answer 413.
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import json
 import math
+import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from osvl.errors import TOOL_ERROR_KINDS, InvalidCall
+from osvl.errors import TOOL_ERROR_KINDS, ConfigError, InvalidCall
 
 IMAGE_ARG = {"type": "string", "description": "Image reference, e.g. 'img_1'."}
 """JSON schema of an image argument: every image tool names its input image this way."""
@@ -195,36 +199,40 @@ def call_tool(tool: Tool, arguments: Any, ctx: ToolContext) -> ToolResult:
 
 
 class LazyBackend:
-    """A tool module's default backend: built on first use from a config, rebuilt after ``configure``.
+    """A search backend built from its config on the first search, owned by whoever made it.
 
-    Search indexes take seconds to minutes to build, so a tool module must not build
-    one at import; and callers that pass their own backend in ``ToolContext.options``
-    never pay for it. ``backend_id`` (a hash of the config) is what the record/replay
-    cache keys on for calls that use this default.
+    Search indexes take seconds to minutes to build or load, so an environment builds its
+    backends this way (``osvl.agent.env.search_backends``) and one whose episodes never search
+    never pays for them. ``backend_id`` (a hash of the config) is what the record/replay cache
+    keys on, known without building; ``cfg`` is the settings (image_search reads its snippet length).
+    There is no module-level instance: two environments with different settings hold two of these.
     """
 
     def __init__(self, build: Callable[[Any], Any], cfg: Any) -> None:
-        import threading
-
         self._build, self.cfg, self._obj = build, cfg, None
         self._lock = threading.Lock()
-
-    def configure(self, cfg: Any) -> None:
-        with self._lock:
-            if cfg != self.cfg:  # the same settings again keep the built backend (every evaluation task sets them)
-                self.cfg, self._obj = cfg, None
-
-    def backend_id(self) -> str:
-        import dataclasses
-        import hashlib
-        import json
-
-        with self._lock:
-            blob = json.dumps(dataclasses.asdict(self.cfg), sort_keys=True, default=str)
-        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+        blob = json.dumps(dataclasses.asdict(cfg), sort_keys=True, default=str)
+        self.backend_id = "config:" + hashlib.sha256(blob.encode()).hexdigest()[:16]
 
     def get(self) -> Any:
+        """The backend, built on the first call (once, whatever the number of threads asking)."""
         with self._lock:
             if self._obj is None:
                 self._obj = self._build(self.cfg)
             return self._obj
+
+    def search(self, *args: Any, **kwargs: Any) -> Any:
+        return self.get().search(*args, **kwargs)
+
+
+def option_backend(ctx: ToolContext, name: str) -> Any:
+    """The backend a search tool calls: ``ctx.options[name]``, never a default of the tool's own.
+
+    A default would be a second environment, one the policy was not trained in; whoever runs the
+    tools builds it from its config (``osvl.agent.env``) and passes it in ``ToolContext.options``.
+    """
+    backend = ctx.options.get(name)
+    if backend is None:
+        raise ConfigError(f"{name} has no backend: ToolContext.options[{name!r}] is empty (build the tools' "
+                          f"environment with osvl.agent.env, which passes one)")
+    return backend

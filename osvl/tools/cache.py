@@ -14,9 +14,9 @@ four modes:
   and the tool is never called (evals that must not touch the network).
 
 The key is a SHA-256 of the tool name, its version and backend, the backend object's
-``backend_id`` (an index content hash, a search API name) when ``ctx.options`` carries
-one under the tool's name (else the tool module's ``default_backend_id()``, a hash of the
-config its default backend is built from), and the canonical JSON of the arguments in which every image
+``backend_id`` when ``ctx.options`` carries one under the tool's name (an environment's search
+backend: a hash of the config it is built from, ``osvl.agent.env``; or an index content hash, a
+search API name), and the canonical JSON of the arguments in which every image
 reference is replaced by the SHA-256 of that image's pixels. Image *names* are not in the
 key: ``crop(img_1, ...)`` in one episode and ``crop(img_3, ...)`` on the same pixels in
 another are the same call. Names that do appear in the result text ("Cropped img_1 ... as
@@ -39,7 +39,6 @@ import io
 import json
 import os
 import re
-import sys
 from pathlib import Path
 from typing import Any, Literal, get_args
 
@@ -123,17 +122,11 @@ class ToolCache:
 
 
 def _backend_id(tool: Any, ctx: ToolContext) -> str:
-    """Which backend answers: the one in ``ctx.options[tool.name]``, else the tool module's default.
-
-    A module with a lazily-built default backend exposes ``default_backend_id()`` (a hash of
-    its config), so that the key changes with the config without building the backend.
-    """
+    """Which backend answers: the one in ``ctx.options[tool.name]`` (tools without a backend: none)."""
     backend = ctx.options.get(tool.name)
     if backend is not None:
         return "options:" + str(getattr(backend, "backend_id", type(backend).__name__))
-    module = sys.modules.get(getattr(tool.fn, "__module__", ""))
-    default = getattr(module, "default_backend_id", None)
-    return "default:" + default() if callable(default) else ""
+    return ""
 
 
 def _canonical(value: Any, ctx: ToolContext, names: dict[str, str]) -> Any:

@@ -554,15 +554,17 @@ class ToolClient:
 
 def make_client(transport: str = "inprocess", *, url: str = "", token: str | None = None,
                 app_name: str = "osvl_tools", tools: Mapping[str, Tool] | None = None, binary: bool = True,
-                **kwargs: Any) -> ToolClient:
-    """Build a ``ToolClient``: ``transport`` is ``inprocess``, ``handle`` or ``http`` (which needs ``url``;
-    ``binary=False`` makes it send base64 JSON instead of multipart)."""
+                options: dict[str, Any] | None = None, **kwargs: Any) -> ToolClient:
+    """Build a ``ToolClient``: ``transport`` is ``inprocess`` (``tools``, default every registered one, with
+    ``options`` as their ``ToolContext.options``: the search backends), ``handle`` or ``http`` (which needs
+    ``url``; ``binary=False`` makes it send base64 JSON instead of multipart). Jobs and services build their
+    client through ``osvl.agent.env.build_env``."""
     if transport == "inprocess":
         if tools is None:
             from osvl.tools.registry import all_tools
 
             tools = all_tools()
-        return ToolClient(InProcessTransport(tools), **kwargs)
+        return ToolClient(InProcessTransport(tools, options=options), **kwargs)
     if transport == "handle":
         return ToolClient(HandleTransport(app_name), **kwargs)
     if transport == "http":
@@ -579,10 +581,11 @@ class CachedInProcess:
     answer; the reverse image search, the slowest tool on CPU, is what it saves.
     """
 
-    def __init__(self, mode: str, root: str = "") -> None:
+    def __init__(self, mode: str, root: str = "", options: dict[str, Any] | None = None,
+                 tools: Mapping[str, Tool] | None = None) -> None:
         from osvl.tools.cache import ToolCache
 
-        self.inner = InProcessTransport()
+        self.inner = InProcessTransport(tools, options=options)
         self.cache = ToolCache(root or None, mode=mode)
 
     async def call(self, name: str, arguments: Any, images: Any, new_image_name: str, timeout_s: float) -> Any:

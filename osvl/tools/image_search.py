@@ -22,9 +22,10 @@ next step (a text search on the name). The snippet is what a search engine shows
 image match: the page's description and the opening of its text, cut to ``snippet_chars``.
 ``data["hits"]`` carries the index image names for callers that want to show them.
 
-Backends are pluggable: ``ctx.options["image_search"]`` may hold any object with
-``backend_id`` and ``search(image, top_k) -> list[ImageHit]``; without one the module
-builds (once, cached on disk by content hash) the index of the KG sample's anchors.
+Backends are pluggable: the tool calls the object in ``ctx.options["image_search"]``, any with
+``backend_id`` and ``search(image, top_k) -> list[ImageHit]``, and has no default of its own
+(``osvl.agent.env.build_env`` passes the index of ``ImageSearchConfig``'s KG, built once and
+cached on disk by content hash; a call without one fails as a ``tool_error``).
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ import numpy as np
 from osvl.config import opt
 from osvl.errors import DataError
 from osvl.storage import atomic_write
-from osvl.tools.base import IMAGE_ARG, LazyBackend, Tool, ToolContext, ToolResult, number, register
+from osvl.tools.base import IMAGE_ARG, Tool, ToolContext, ToolResult, number, option_backend, register
 from osvl.tools.cache import file_digest, store_root
 
 INDEX_VERSION = 2  # 2: hits carry a page snippet (description + opening text), not the description alone
@@ -218,12 +219,6 @@ def page_snippet(entity: dict[str, Any], caption: str = "", chars: int = 600) ->
     return out[:chars]
 
 
-DEFAULT = LazyBackend(lambda cfg: build_image_index(cfg=cfg), ImageSearchConfig())
-configure = DEFAULT.configure  # set the default backend's config (dropping one already built)
-default_backend_id = DEFAULT.backend_id  # the record/replay cache key part for calls without a backend
-default_backend = DEFAULT.get
-
-
 def format_hits(hits: list[ImageHit], image: str, snippet_chars: int) -> str:
     if not hits:
         return f"Reverse image search found no match for {image} in the image index."
@@ -238,9 +233,9 @@ def format_hits(hits: list[ImageHit], image: str, snippet_chars: int) -> str:
 def image_search(ctx: ToolContext, image: Any = None, top_k: Any = 5) -> ToolResult:
     arr = ctx.image(image)
     k = number({"top_k": top_k}, "top_k", lo=1, hi=20, integer=True)
-    backend = ctx.options.get("image_search") or default_backend()
+    backend = option_backend(ctx, "image_search")
     hits = backend.search(arr, k)
-    snippet_chars = getattr(getattr(backend, "cfg", None), "snippet_chars", DEFAULT.cfg.snippet_chars)
+    snippet_chars = getattr(getattr(backend, "cfg", None), "snippet_chars", ImageSearchConfig.snippet_chars)
     return ToolResult("ok", format_hits(hits, image, snippet_chars),
                       data={"hits": [dataclasses.asdict(h) for h in hits]})
 

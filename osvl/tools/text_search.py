@@ -47,9 +47,13 @@ record/replay cache key (``osvl.tools.cache``): bump it with any change of what 
 returns, so that no recording of the old tool is replayed.
 
 The web backend (``backend="web"``, see ``osvl.tools.web``) returns pages with an LLM
-summary; both backends answer ``search(query, top_k) -> list[TextHit]``, and any object
-with that method and a ``backend_id`` placed in ``ctx.options["text_search"]`` replaces
-the default.
+summary; both backends answer ``search(query, top_k) -> list[TextHit]``. The tool calls the
+object in ``ctx.options["text_search"]`` (any with that method and a ``backend_id``) and has no
+default of its own: the settings are the agent's environment (its records, rollouts, evaluation,
+service and ``jobs/ask.py`` must see one search engine, or a policy that writes the demonstrated
+queries reads other hits than it was shown: docs/design.md, "One search engine for records,
+rollouts and evaluation"), so ``osvl.agent.env.build_env`` builds the backend from each job's
+``text_search`` section and passes it, and a call without one fails as a ``tool_error``.
 """
 
 from __future__ import annotations
@@ -66,7 +70,7 @@ import numpy as np
 from osvl.config import opt
 from osvl.errors import ConfigError, DataError, ToolCallError
 from osvl.storage import atomic_write
-from osvl.tools.base import InvalidCall, LazyBackend, TextHit, Tool, ToolContext, ToolResult, number, register
+from osvl.tools.base import InvalidCall, TextHit, Tool, ToolContext, ToolResult, number, option_backend, register
 from osvl.tools.cache import file_digest, store_root
 from osvl.tools.web import WebConfig
 
@@ -500,26 +504,6 @@ def _attach_dense(index: TextIndex, folder: Path, cache: bool) -> TextIndex:
     return index
 
 
-def _build_default(cfg: TextSearchConfig) -> Any:
-    if cfg.backend == "web":
-        from osvl.tools.web import WebSearch
-
-        return WebSearch(cfg.web)
-    return build_text_index(cfg=cfg)
-
-
-DEFAULT = LazyBackend(_build_default, TextSearchConfig())
-"""The backend of calls that bring none. Its settings, ``TextSearchConfig()``, are the agent's environment:
-the trajectories job's records, the GRPO rollouts, the held-out evaluation, the agent service and
-``jobs/ask.py`` must all see one search engine (the GRPO job hands its ``rollout.text_search`` to the
-trajectories job it runs), or a policy that writes the demonstrated queries reads other hits than it was
-shown (docs/design.md, "One search engine for records, rollouts and evaluation"). A job that changes them
-says so in its own ``text_search`` field."""
-configure = DEFAULT.configure  # set the default backend's config (dropping one already built, if it differs)
-default_backend_id = DEFAULT.backend_id  # the record/replay cache key part for calls without a backend
-default_backend = DEFAULT.get
-
-
 def format_hits(query: str, hits: list[TextHit]) -> str:
     if not hits:
         return f'No results for "{query}".'
@@ -540,7 +524,7 @@ def text_search(ctx: ToolContext, query: Any = None, top_k: Any = 5) -> ToolResu
         raise InvalidCall(f"query is {len(query)} characters; the limit is {MAX_QUERY_CHARS}")
     k = number({"top_k": top_k}, "top_k", lo=1, hi=20, integer=True)
     query = " ".join(query.split())
-    backend = ctx.options.get("text_search") or default_backend()
+    backend = option_backend(ctx, "text_search")
     try:
         hits = backend.search(query, k)
     except ToolCallError as e:  # the web backend types its failures (timeout, unavailable, ...)
