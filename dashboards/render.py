@@ -2,6 +2,7 @@
 
     python dashboards/render.py --prometheus=http://127.0.0.1:9090 --minutes=30 --out=dashboards.png
     python dashboards/render.py --prometheus=... --boards=rl,rollout,engine --run=RUN --skip-empty
+    python dashboards/render.py --prometheus=... --boards=rl --panels=osvl_rl_reward,osvl_rl_fatal_ratio --columns=2
 
 It reads the committed ``dashboards/osvl-*.json`` (what Grafana would show), sets the dashboard
 variables ``$osvl_job`` and ``$run`` (regexes; ".*" = all), asks Prometheus's ``/api/v1/query_range``
@@ -74,6 +75,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--osvl-job", default=".*", help="regex for the osvl_job label")
     ap.add_argument("--run", default=".*", help="regex for the run label")
     ap.add_argument("--skip-empty", action="store_true", help="leave out panels without data")
+    ap.add_argument("--panels", default="", help="comma-separated metric names (panel titles) to draw, in that order; "
+                                                 "empty = every panel of the boards")
     ap.add_argument("--columns", type=int, default=4)
     ap.add_argument("--title", default="")
     ap.add_argument("--out", default="dashboards.png")
@@ -84,6 +87,13 @@ def main(argv: list[str] | None = None) -> None:
     start = end - 60 * args.minutes
     step = args.step or max(1.0, (end - start) / 240)
     drawn = panels(args.prometheus.rstrip("/"), boards, start, end, step, args.osvl_job, args.run)
+    if args.panels:  # a readable picture of a few panels instead of every one
+        wanted = [w for w in args.panels.split(",") if w]
+        by_title = {p.title: p for p in drawn}
+        missing = [w for w in wanted if w not in by_title]
+        if missing:
+            raise DataError(f"--panels: no panel {', '.join(missing)} on boards {', '.join(boards)}")
+        drawn = [by_title[w] for w in wanted]
     if args.skip_empty:
         drawn = [p for p in drawn if p.series]
     if not drawn:

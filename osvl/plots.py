@@ -23,7 +23,7 @@ class Panel:
 
 
 def dashboard_grid(panels: list[Panel], out: str | Path, title: str = "", columns: int = 4,
-                   dpi: int = 72) -> Path:
+                   dpi: int = 90) -> Path:
     """Draw ``panels`` as a grid of small time-series plots (minutes since the first sample on x) into ``out``.
 
     Panels without data say so instead of being dropped, so a missing series is visible. Legends show
@@ -35,28 +35,27 @@ def dashboard_grid(panels: list[Panel], out: str | Path, title: str = "", column
     import matplotlib.pyplot as plt
 
     rows = max(1, math.ceil(len(panels) / columns))
-    fig, axes = plt.subplots(rows, columns, figsize=(4.2 * columns, 2.6 * rows), squeeze=False)
+    fig, axes = plt.subplots(rows, columns, figsize=(4.2 * columns, 2.8 * rows), squeeze=False)
     starts = [t[0] for p in panels for _, t, _ in p.series if t]
     t0 = min(starts) if starts else 0.0
     for ax, panel in zip(axes.flat, panels, strict=False):
-        ax.set_title((f"{panel.section}: " if panel.section else "") + panel.title, fontsize=8)
-        ax.tick_params(labelsize=7)
+        ax.set_title((f"{panel.section}: " if panel.section else "") + panel.title, fontsize=10)
+        ax.tick_params(labelsize=9)
         if not panel.series:
             ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes, color="grey")
             ax.set_xticks([])
             ax.set_yticks([])
             continue
         for i, (name, times, values) in enumerate(panel.series):
-            ax.plot([(t - t0) / 60 for t in times], values, lw=1.2, label=name if i < 6 else None)
-        ax.set_xlabel("minutes", fontsize=7)
-        if panel.unit:
-            ax.set_ylabel(panel.unit, fontsize=7)
+            ax.plot([(t - t0) / 60 for t in times], values, lw=1.4, label=name if i < 6 else None)
+        ax.set_xlabel("minutes since the first sample", fontsize=9)
+        ax.set_ylabel({"s": "seconds"}.get(panel.unit, panel.unit) or "value", fontsize=9)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=6, loc="best", frameon=False)
+        ax.legend(fontsize=8, loc="best", frameon=False)
     for ax in list(axes.flat)[len(panels):]:
         ax.axis("off")
     if title:
-        fig.suptitle(title, fontsize=11)
+        fig.suptitle(title, fontsize=12)
     fig.tight_layout(rect=(0, 0, 1, 1 - 0.3 / fig.get_figheight()) if title else None)  # room for the title
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -139,7 +138,7 @@ def training_curves(log_file: str | Path, panels: list[tuple[str, list[str]]], o
     for ax in list(axes.flat)[len(panels):]:
         ax.axis("off")
     if title:
-        fig.suptitle(title, fontsize=11)
+        fig.suptitle(title, fontsize=12)
     fig.tight_layout()
     from osvl.storage import atomic
 
