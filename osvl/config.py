@@ -226,9 +226,10 @@ def _fields(cls: type) -> dict[str, tuple[dataclasses.Field, Any]]:
 
 
 # Keys renamed so that one concept has one name in every config (a profile or a command line of an earlier
-# version says what to write instead): parallel processes of a stage are its `workers`, the tools a model is
-# offered its `offer`, a warm-up as a share of the steps `warmup_share` (a count: `warmup_steps`).
-RENAMED = {"num_workers": "workers", "num_actors": "workers", "tool_names": "offer", "warmup": "warmup_share"}
+# version says what to write instead): a stage's parallel processes are its `workers` (Ray actors that each
+# hold an engine: `num_actors`), the tools a model is offered its `offer`, a warm-up as a share of the steps
+# `warmup_share` (a count: `warmup_steps`).
+RENAMED = {"num_workers": "workers", "tool_names": "offer", "warmup": "warmup_share"}
 
 
 def _unknown(key: str, name: str, valid: list[str]) -> ConfigError:

@@ -35,7 +35,7 @@ class AskConfig:
     tools: Literal["inprocess", "http"] = opt("inprocess", "Tool transport: inprocess, or http (the tool API at "
                                                            "--url).")
     url: str = opt("", "Tool API base URL for --tools http, e.g. http://127.0.0.1:8000.")
-    tool_names: list[str] = opt([], "Tools offered to the model; empty = every tool the transport has.")
+    offer: list[str] = opt([], "Tools offered to the model, by name; empty = every tool the transport has.")
     text_search: TextSearchConfig = opt(
         TextSearchConfig, "text_search's settings (--tools inprocess): the search engine the model was trained with "
         "(the GRPO job's rollout.text_search). With --tools http the tool API's settings apply.")
@@ -107,11 +107,11 @@ async def ask(cfg: AskConfig) -> str:
     try:
         schemas = await client.schemas() if cfg.tools == "http" else [
             t.schema for t in client.transport.tools.values()]
-        if cfg.tool_names:
-            unknown = sorted(set(cfg.tool_names) - {s["function"]["name"] for s in schemas})
+        if cfg.offer:
+            unknown = sorted(set(cfg.offer) - {s["function"]["name"] for s in schemas})
             if unknown:
-                raise ConfigError(f"--tool_names: no such tools {unknown}")
-            schemas = [s for s in schemas if s["function"]["name"] in cfg.tool_names]
+                raise ConfigError(f"--offer: no such tools {unknown}")
+            schemas = [s for s in schemas if s["function"]["name"] in cfg.offer]
         store: dict = {}
         traj = await run_episode(engine, {"id": "ask", "question": cfg.question, "answer": ""}, [image], client,
                                  cfg.agent, processor=engine.processor, tools=schemas, seed=cfg.seed,
