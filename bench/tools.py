@@ -38,13 +38,16 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from osvl.tools.client import HandleTransport, HttpTransport, InProcessTransport, ToolClient  # noqa: E402
+
+if TYPE_CHECKING:
+    from serve.app import BackendOptions
 
 
 def plain_tool_app(tools: dict[str, Any], options: dict[str, Any], replicas: int) -> Any:
@@ -138,19 +141,23 @@ async def throughput(client: ToolClient, tool: str, args: dict, img: np.ndarray,
     return done / (time.perf_counter() - start), failed
 
 
-def edsr_options() -> dict[str, Any]:
+def edsr_options() -> BackendOptions:
     from osvl.tools.super_resolution import DEFAULT_WEIGHTS, build_model, save_checkpoint
+    from serve.app import BackendOptions
 
     if DEFAULT_WEIGHTS.is_file():
-        return {}
+        return BackendOptions()
     path = Path(tempfile.mkdtemp()) / "edsr_x4_random.pth"
     save_checkpoint(build_model(), path)
     print(f"# {DEFAULT_WEIGHTS} missing: using a fresh model of the same architecture", flush=True)
-    return {"edsr_weights": str(path)}
+    return BackendOptions(edsr_weights=str(path))
 
 
 def main(argv: list[str]) -> dict[str, Any]:
-    from serve.app import ServeConfig, make_app
+    from osvl.agent.env import search_backends
+    from osvl.tools.image_search import ImageSearchConfig
+    from osvl.tools.text_search import TextSearchConfig
+    from serve.app import BackendOptions, ServeConfig, make_app
 
     opts = {"seconds": 3.0, "concurrency": 8, "replicas": 2, "tools": "", "inline": ",".join(ServeConfig().inline)}
     for arg in argv:
@@ -166,7 +173,9 @@ def main(argv: list[str]) -> dict[str, Any]:
     tools = all_tools()
     rows = [c for c in cases() if c[1] in tools and (not opts["tools"] or c[1] in opts["tools"].split(","))]
     names = sorted({c[1] for c in rows})
-    options = edsr_options() if "super_resolution" in names else {}
+    backend = edsr_options() if "super_resolution" in names else BackendOptions()
+    # the in-process and plain baselines get what the app's replicas hand their tools: the same backends
+    options = {**search_backends(TextSearchConfig(), ImageSearchConfig()), **backend.as_options()}
 
     # Ray starts its workers at niceness 15 (so that its own daemons stay responsive), the in-process
     # baseline runs here at the caller's: equal priority, or any other load on the machine takes CPU from
@@ -177,7 +186,7 @@ def main(argv: list[str]) -> dict[str, Any]:
     fixed = {"num_replicas": opts["replicas"], "autoscaling_config": None}
     deployments = {"api": fixed, **{"tool_" + n: fixed for n in names}}
     inline = [n for n in opts["inline"].split(",") if n in names]
-    serve.run(make_app(tools, ServeConfig(tools=names, options=options, inline=inline), deployments),
+    serve.run(make_app(tools, ServeConfig(tools=names, options=backend, inline=inline), deployments),
               name="osvl_bench", route_prefix="/")
     serve.run(plain_tool_app({n: tools[n] for n in names}, options, opts["replicas"]), name="plain_bench",
               route_prefix="/plain")
@@ -207,7 +216,7 @@ def main(argv: list[str]) -> dict[str, Any]:
     asyncio.run(run_table())
     batching: dict[str, float] = {}
     if "super_resolution" in names:
-        serve.run(make_app(tools, ServeConfig(tools=["super_resolution"], batched=[], options=options),
+        serve.run(make_app(tools, ServeConfig(tools=["super_resolution"], batched=[], options=backend),
                            {"api": fixed, "tool_super_resolution": fixed}), name="osvl_bench_unbatched",
                   route_prefix="/unbatched")
         img = astronaut()[::4, ::4].copy()

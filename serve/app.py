@@ -67,7 +67,7 @@ import sys
 import threading
 import time
 from collections import OrderedDict
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response
@@ -97,6 +97,19 @@ APP_NAME = "osvl_tools"
 
 
 @dataclasses.dataclass
+class BackendOptions:
+    """The image tools' backends, handed to every tool in ``ToolContext.options`` (beside the search backends)."""
+
+    ocr_backend: Literal["rapidocr", "tesseract"] = opt(
+        "rapidocr", "OCR engine (osvl/tools/ocr.py): rapidocr (ONNX, installed) or tesseract (the Debian binary).")
+    edsr_weights: str = opt("", "EDSR x4 checkpoint super_resolution loads; empty = the committed weights "
+                                "(osvl/tools/weights/edsr_x4.pth).")
+
+    def as_options(self) -> dict[str, Any]:
+        return {"ocr_backend": self.ocr_backend, **({"edsr_weights": self.edsr_weights} if self.edsr_weights else {})}
+
+
+@dataclasses.dataclass
 class ServeConfig:
     """Arguments of ``build_app`` (the ``args:`` block of serve/config.yaml)."""
 
@@ -111,8 +124,7 @@ class ServeConfig:
     max_body_bytes: int = opt(32 * 2**20, "Largest HTTP request body, in bytes (413 above).")
     max_pixels: int = opt(MAX_PIXELS, "Largest image (input or output) in pixels (413 above).")
     timeout_s: float = opt(60.0, "Per-call deadline at the ingress, in seconds (504 after).")
-    options: dict[str, Any] = opt({}, "Backend options handed to every tool in ToolContext.options "
-                                  "(edsr_weights: an EDSR checkpoint path; ocr_backend: rapidocr or tesseract; ...).")
+    options: BackendOptions = opt(BackendOptions, "What the image tools read from ToolContext.options.")
     text_search: TextSearchConfig = opt(
         TextSearchConfig, "text_search's settings: the search engine of the agents that call this app (rollouts and "
         "the agent service with tools=handle: set the GRPO job's rollout.text_search here).")
@@ -164,7 +176,7 @@ class _ToolReplica:
         self.cfg = from_dict(ServeConfig, cfg)
         # the search backends of this app's settings, each built on its replica's first search (osvl.agent.env)
         self.options: dict[str, Any] = {**search_backends(self.cfg.text_search, self.cfg.image_search),
-                                        **self.cfg.options}
+                                        **self.cfg.options.as_options()}
         self.in_flight = 0
         try:
             ctx = serve.get_replica_context()
