@@ -75,6 +75,7 @@ def mean_se(xs: list[float]) -> dict[str, float | None]:
 
 def one_run(cfg, mode: str, seed: int, model: Path, qdir: Path, questions: list[dict], heldout: list[dict],
             root: Path) -> dict:
+    from osvl.rl.job import JOB
     from osvl.rl.report import summarize
     from osvl.rl.rollout import heldout_scores
     from osvl.rl.trainer import GRPOParts, train
@@ -85,7 +86,7 @@ def one_run(cfg, mode: str, seed: int, model: Path, qdir: Path, questions: list[
     out = root / f"{mode}-s{seed}"
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    res = train(parts, model, questions, qdir / "images", out, log=lambda m: None)
+    res = train(parts, model, questions, qdir / "images", out, log=lambda m: None, job=JOB)
     s = summarize(res["rows"])
     pass1, scores = float("nan"), []
     if heldout and res["checkpoint"]:

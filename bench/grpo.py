@@ -74,6 +74,7 @@ def measure(staleness: int, steps: int, model: Path, qdir: Path, questions: list
             schemas: Path, meter: CpuMeter) -> dict:
     from osvl.agent.loop import AgentConfig
     from osvl.config import RunConfig
+    from osvl.rl.job import JOB
     from osvl.rl.learner import RLConfig
     from osvl.rl.rollout import RolloutConfig
     from osvl.rl.trainer import GRPOParts, LearnerConfig, TrainConfig, train
@@ -85,7 +86,7 @@ def measure(staleness: int, steps: int, model: Path, qdir: Path, questions: list
                               agent=AgentConfig(max_turns=4, max_new_tokens=64, max_episode_tokens=4096)),
         learner=LearnerConfig(workers=1, threads_per_worker=1, zero_stage=2),
         train=TrainConfig(steps=steps, groups_per_step=2, max_staleness=staleness, ckpt_every=10_000))
-    res = train(parts, model, questions, qdir / "images", root / f"s{staleness}", log=lambda m: None)
+    res = train(parts, model, questions, qdir / "images", root / f"s{staleness}", log=lambda m: None, job=JOB)
     rows = res["rows"]
     t0, t1 = rows[0]["time"], rows[-1]["time"]
     span = t1 - t0

@@ -26,6 +26,7 @@ import pytest
 
 from osvl.agent.loop import AgentConfig
 from osvl.config import RunConfig
+from osvl.rl.job import JOB
 from osvl.rl.learner import RLConfig
 from osvl.rl.rollout import RolloutConfig
 from osvl.rl.trainer import GRPOParts, LearnerConfig, TrainConfig, read_questions, train
@@ -68,7 +69,7 @@ def test_killed_rollout_actor_groups_are_reissued_and_accounted_once(questions_d
     run = threading.Thread(target=lambda: result.update(train(
         parts, tiny_checkpoint("qwen3_vl"), read_questions(questions_dir / "rl.parquet"), questions_dir / "images",
         tmp_path,
-        log=lambda m: None, actor_prefix=prefix)))
+        log=lambda m: None, actor_prefix=prefix, job=JOB)))
     run.start()
     killed = False
     deadline = time.time() + 240

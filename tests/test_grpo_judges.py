@@ -22,6 +22,7 @@ from osvl.agent.reward import RewardConfig
 from osvl.cluster import LOOPBACK, free_port
 from osvl.config import RunConfig
 from osvl.endpoint import EndpointConfig
+from osvl.rl.job import JOB
 from osvl.rl.learner import RLConfig
 from osvl.rl.rollout import RolloutConfig
 from osvl.rl.trainer import GRPOParts, LearnerConfig, TrainConfig, read_questions, train
@@ -86,7 +87,7 @@ def _parts(base_url: str, schemas: Path) -> GRPOParts:
 
 
 def _train(parts: GRPOParts, model: Path, qdir: Path, out: Path) -> dict:
-    return train(parts, model, read_questions(qdir / "rl.parquet"), qdir / "images", out, log=lambda m: None)
+    return train(parts, model, read_questions(qdir / "rl.parquet"), qdir / "images", out, log=lambda m: None, job=JOB)
 
 
 def test_grpo_step_takes_r_acc_and_r_query_from_the_llm_judge(questions_dir, agent_model, judge_url, tmp_path,

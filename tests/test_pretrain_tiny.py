@@ -142,7 +142,7 @@ def test_split_titles_name_the_entities_each_split_walks_through(tmp_path):
 
     from osvl.config import merge, parse_args
     from osvl.recipe import GRPOJobConfig
-    from osvl.rl.trainer import JOB as GRPO_JOB
+    from osvl.rl.job import JOB as GRPO_JOB
     from osvl.synth import pipeline
     from osvl.synth.walks import Graph
 

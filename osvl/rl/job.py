@@ -24,7 +24,6 @@ from osvl.rl.learner import RLConfig
 from osvl.rl.report import HEADER, Summary, format_row, heldout_report, summarize, summary_lines
 from osvl.rl.rollout import RolloutConfig
 from osvl.rl.trainer import (
-    JOB,
     GRPOParts,
     LearnerConfig,
     TrainConfig,
@@ -38,6 +37,7 @@ from osvl.tracking import tracked
 
 logger = logging.getLogger(__name__)
 
+JOB = "grpo"
 
 EVAL_MODES = ("agentic", "direct")  # direct: one turn, no tools (what the policy knows without searching)
 
@@ -109,7 +109,7 @@ def run(cfg: GRPOConfig, qdir: Path, model: Path | str, log: Callable[[str], Non
             log(format_row(row))
             bar.update(1, reward=row["reward"], fatal=row["fatal_rate"])
 
-        res = train(parts, model, questions, qdir / "images", out, log=log, print_row=show)
+        res = train(parts, model, questions, qdir / "images", out, log=log, print_row=show, job=JOB)
     summary = summarize(res["rows"])
     after = None
     grpo_eval = out / "pass1_grpo.json"  # of one checkpoint: a resubmitted finished run does not score it again

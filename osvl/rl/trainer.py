@@ -39,8 +39,6 @@ from osvl.train.rehearsal import Rehearsal
 
 logger = logging.getLogger(__name__)
 
-JOB = "grpo"
-
 
 @dataclass
 class LearnerConfig:
@@ -222,8 +220,10 @@ def start_cluster(rc: RolloutConfig, lc: LearnerConfig) -> None:
 
 def train(parts: GRPOParts, model_dir: str | Path, questions: list[dict[str, Any]], question_image_dir: str | Path,
           out: Path, log: Callable[[str], None] = logger.info, print_row: Callable[[dict], None] | None = None,
-          actor_prefix: str = "") -> dict[str, Any]:
+          actor_prefix: str = "", *, job: str) -> dict[str, Any]:
     """Run (or resume) GRPO into ``out``; returns a summary with the step log and the accounting.
+
+    ``job``: the job name its metrics carry (``osvl.rl.job.JOB``).
 
     ``actor_prefix``: when set, the buffer and rollout actors are named ``<prefix>buffer``,
     ``<prefix>rollout0``, ... (``ray.get_actor``), for inspection and fault injection.
@@ -276,7 +276,7 @@ def train(parts: GRPOParts, model_dir: str | Path, questions: list[dict[str, Any
         log_path.unlink()  # a fresh run: no stale rows from a run that died before its first checkpoint
     store = ray.remote(WeightStore).options(num_cpus=0, scheduling_strategy=here).remote()
     questions_ref = ray.put(questions)
-    rec = Recorder(JOB, out.name)  # every series of this run: osvl_job="grpo", run=<run folder name>
+    rec = Recorder(job, out.name)  # every series of this run: osvl_job="grpo", run=<run folder name>
 
     image_dir.mkdir(parents=True, exist_ok=True)
     # locations, not paths (osvl.storage): actors and learner workers may run on other nodes
