@@ -29,8 +29,8 @@ def _jobs() -> dict[str, tuple[str, type]]:
     from osvl.kg.dump import BuildKGConfig
     from osvl.recipe import GRPOJobConfig
     from osvl.rl.job import JOB as GRPO
+    from osvl.sft.job import JOB as SFT
     from osvl.sft.job import SftConfig
-    from osvl.sft.loop import JOB as SFT
     from osvl.synth.expert import JOB as TRAJ
     from osvl.synth.expert import TrajConfig
     from osvl.synth.pipeline import JOB as SYNTH

@@ -41,11 +41,13 @@ from osvl.config import RunConfig, opt
 from osvl.errors import ConfigError, DataError
 from osvl.models.tiny import TinyKind, checkpoint_name
 from osvl.sft.data import check_tokenizer, count_rows, load_split, long_rows, parquet_files
-from osvl.sft.loop import JOB, draw_curves, train_loop
+from osvl.sft.loop import draw_curves, train_loop
 from osvl.tracking import tracked
 from osvl.train.rehearsal import Rehearsal
 
 logger = logging.getLogger(__name__)
+
+JOB = "sft"
 
 
 @dataclasses.dataclass
@@ -196,7 +198,7 @@ def run(cfg: SftConfig, *, log: Callable[[str], None] = logger.info,
                      "val_ds": load_split(files, cfg.data.val_fraction, True) if n_val else None,
                      "image_dir": storage_location(image_dir),
                      "model_dir": model_dir, "total_steps": steps, "train_rows": n_train, "val_rows": n_val,
-                     "log_file": str(log_file)},
+                     "log_file": str(log_file), "job": JOB},
         num_workers=cfg.workers, threads_per_worker=cfg.threads_per_worker, use_gpu=cfg.use_gpu,
         storage=out, name="train", keep=cfg.keep, max_failures=cfg.max_failures)
     t0 = time.time()

@@ -23,7 +23,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-JOB = "sft"
 CURVES = "curves.png"  # the training curves, redrawn at each checkpoint and at the end (osvl/plots.py)
 CURVE_PANELS = [("loss (token-mean NLL)", ["loss", "val_loss"]), ("learning rate", ["lr"]),
                 ("gradient norm", ["grad_norm"])]
@@ -137,9 +136,9 @@ def train_loop(config: dict) -> None:
             logger.info(f"sft: resumed at step {step}/{total}")
             with log_file.open("a") as f:
                 f.write(json.dumps({"resumed_at": step}) + "\n")
-    rec = Recorder(JOB, log_file.parent.name)  # run label: the run folder (config hash or run.name)
+    rec = Recorder(config["job"], log_file.parent.name)  # run label: the run folder (config hash or run.name)
     # TensorBoard (and W&B / MLflow when run.tracking lists them) from rank 0, the writer of train_log.jsonl
-    tracker = Tracker.for_run(log_file.parent, cfg.run, job=JOB, config=to_dict(cfg)) if rank == 0 \
+    tracker = Tracker.for_run(log_file.parent, cfg.run, job=config["job"], config=to_dict(cfg)) if rank == 0 \
         else Tracker.disabled()
     # a Ray Train worker's output is never a terminal: plain lines in the job log, from rank 0 only
     bar = Progress(total, "sft", "steps", initial=step)
