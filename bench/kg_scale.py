@@ -121,10 +121,10 @@ class MeasuredWorker(ShardWorker):
     report_dir = ""
     workers = 1
 
-    def __init__(self, cfg: dict, out_dir: str):
+    def __init__(self, cfg, out_dir: str, job: str):
         gc.collect()
         before = pss_kib()
-        super().__init__(cfg, out_dir)
+        super().__init__(cfg, out_dir, job)
         report = Path(self.report_dir)
         (report / f"{os.getpid()}.loaded").touch()
         deadline = time.time() + 600
@@ -140,8 +140,8 @@ def measure_synthesis(kg: Path, n_seeds: int, num_shards: int) -> dict:
     """Synthesis over ``kg`` with 1 then 2 workers: KG memory of the workers, questions/s, the driver's peak."""
     from osvl.cluster import init_ray
     from osvl.config import apply_override
-    from osvl.synth import pipeline
-    from osvl.synth.pipeline import SynthConfig, run
+    from osvl.synth import job
+    from osvl.synth.job import SynthConfig, run
     from osvl.synth.walks import Graph
 
     t0 = time.perf_counter()
@@ -151,7 +151,7 @@ def measure_synthesis(kg: Path, n_seeds: int, num_shards: int) -> dict:
     one_thread = {k: "1" for k in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS",
                                     "OPENCV_FOR_THREADS_NUM")}
     init_ray(num_cpus=2, runtime_env={"env_vars": one_thread})
-    pipeline.ShardWorker = MeasuredWorker
+    job.ShardWorker = MeasuredWorker
     out = {"first_open_s": round(open_s, 1)}
     with tempfile.TemporaryDirectory(prefix="osvl-bench-kg-") as tmp:
         for workers in (1, 2):

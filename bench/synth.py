@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from osvl.cluster import init_ray  # noqa: E402
 from osvl.config import apply_override  # noqa: E402
-from osvl.synth.pipeline import SynthConfig, run  # noqa: E402
+from osvl.synth.job import SynthConfig, run  # noqa: E402
 
 
 def main(argv: list[str]) -> None:

@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 from osvl.config import cli  # noqa: E402
 from osvl.logs import start_job  # noqa: E402
-from osvl.synth.pipeline import JOB, SynthConfig, run  # noqa: E402
+from osvl.synth.job import JOB, SynthConfig, run  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> None:

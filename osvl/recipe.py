@@ -1,7 +1,7 @@
 """The recipe's stage chaining, in one place: questions -> expert trajectories -> SFT -> GRPO.
 
 Each stage is a job of its own that takes its inputs as paths and knows nothing of the others:
-``osvl.synth.pipeline`` (questions), ``osvl.synth.expert`` (expert trajectories of given questions),
+``osvl.synth.job`` (questions), ``osvl.synth.expert`` (expert trajectories of given questions),
 ``osvl.sft.job`` (SFT on given trajectories), ``osvl.rl.job`` (GRPO from given questions and policy).
 RL, evaluation and SFT are siblings over the shared training kit (``osvl.train``); only this module
 knows the order of the stages and what one hands the next. Every "build or reuse the upstream stage"
@@ -50,6 +50,7 @@ from osvl.rl.plan import run_check
 from osvl.rl.report import Summary, verdict
 from osvl.sft import job as sft
 from osvl.synth import expert, pipeline
+from osvl.synth import job as synth_job
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -65,8 +66,8 @@ def demo_profile(cls: type[T], job: str) -> Callable[[], T]:
 class GRPOJobConfig(GRPOConfig):
     """jobs/grpo.py: build or reuse questions, expert trajectories and the SFT'd policy, then GRPO."""
 
-    synth: pipeline.SynthConfig = opt(
-        demo_profile(pipeline.SynthConfig, pipeline.JOB),
+    synth: synth_job.SynthConfig = opt(
+        demo_profile(synth_job.SynthConfig, synth_job.JOB),
         "The synthesize job that makes the questions when `questions` is empty (jobs/synthesize.py's demo profile, "
         "then this profile's entries). Its run section is this job's run.")
     trajectories: expert.TrajConfig = opt(
@@ -98,7 +99,7 @@ def _given(section: str, cfg: Any, default: Any, key: str, instead: str) -> None
 
 def check(cfg: GRPOJobConfig) -> None:
     """Fail at start, before any stage runs for an hour, on a stage input set in the wrong place."""
-    synth, traj, tuned = (demo_profile(c, j)() for c, j in ((pipeline.SynthConfig, pipeline.JOB),
+    synth, traj, tuned = (demo_profile(c, j)() for c, j in ((synth_job.SynthConfig, synth_job.JOB),
                                                             (expert.TrajConfig, expert.JOB),
                                                             (sft.SftConfig, sft.JOB)))
     for name, section, default in (("synth", cfg.synth, synth), ("trajectories", cfg.trajectories, traj),
@@ -113,9 +114,9 @@ def check(cfg: GRPOJobConfig) -> None:
         _given("sft", cfg.sft, tuned, key, "the trajectories section (or model)")
 
 
-def questions(run: RunConfig, synth: pipeline.SynthConfig, log: Log = logger.info) -> Path:
+def questions(run: RunConfig, synth: synth_job.SynthConfig, log: Log = logger.info) -> Path:
     """The synthesize run folder (``<split>.parquet`` + ``images/``), built or reused."""
-    qdir, _ = pipeline.run(dataclasses.replace(synth, run=stage_run(run)), log=log)
+    qdir, _ = synth_job.run(dataclasses.replace(synth, run=stage_run(run)), log=log)
     return qdir.resolve()  # Ray Train workers and actors run in other folders
 
 
@@ -176,7 +177,7 @@ def run_sft(cfg: sft.SftConfig, log: Log = logger.info) -> dict[str, Any]:
 
 def run_trajectories(cfg: expert.TrajConfig, log: Log = logger.info) -> tuple[Path, dict[str, Any]]:
     """jobs/trajectories.py: with no ``questions``, the synthesize job's demo run built or reused first."""
-    qdir = None if cfg.questions else questions(cfg.run, demo_profile(pipeline.SynthConfig, pipeline.JOB)(), log)
+    qdir = None if cfg.questions else questions(cfg.run, demo_profile(synth_job.SynthConfig, synth_job.JOB)(), log)
     return expert.run(cfg, log=log, questions=qdir)
 
 
@@ -218,7 +219,7 @@ def demo_trajectories(run: RunConfig, grpo: GRPOJobConfig, split: str, n: int,
     sections; ``synth``, when given, is applied to the synthesize job's demo profile instead: a card's record
     of the recipe its policy was made with), built or reused under ``run.root``, and the titles of the held-out
     and dev splits' entities. The committed policy's test rebuilds its probe with it."""
-    scfg = grpo.synth if synth is None else upstream_config(pipeline.SynthConfig, pipeline.JOB, run, synth)
+    scfg = grpo.synth if synth is None else upstream_config(synth_job.SynthConfig, synth_job.JOB, run, synth)
     qdir = questions(run, scfg)
     tcfg = dataclasses.replace(grpo.trajectories, run=stage_run(run), questions=str(qdir),
                                offer=list(grpo.rollout.offer), split=split, max_questions=n, n_teacher_rollouts=1,
@@ -239,7 +240,7 @@ def recipe_entries(synth: Any) -> dict[str, Any]:
         return {k: (diff(v, base[k]) if isinstance(v, dict) else v) for k, v in got.items()
                 if k != "run" and v != base[k]}
 
-    return diff(to_dict(synth), to_dict(demo_profile(pipeline.SynthConfig, pipeline.JOB)()))
+    return diff(to_dict(synth), to_dict(demo_profile(synth_job.SynthConfig, synth_job.JOB)()))
 
 
 def pretrain_main(argv: list[str] | None = None) -> dict:

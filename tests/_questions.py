@@ -12,7 +12,8 @@ def sample_questions(out_dir: str, questions_per_seed: int = 6, degrade_share: f
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from osvl.synth.pipeline import ROW_SCHEMA, ImageStore, SynthConfig, plan, synthesize_shard
+    from osvl.synth.job import SynthConfig
+    from osvl.synth.pipeline import ROW_SCHEMA, ImageStore, plan, synthesize_shard
     from osvl.synth.walks import Graph
 
     out = Path(out_dir)

@@ -33,8 +33,8 @@ def _jobs() -> dict[str, tuple[str, type]]:
     from osvl.sft.job import SftConfig
     from osvl.synth.expert import JOB as TRAJ
     from osvl.synth.expert import TrajConfig
-    from osvl.synth.pipeline import JOB as SYNTH
-    from osvl.synth.pipeline import SynthConfig
+    from osvl.synth.job import JOB as SYNTH
+    from osvl.synth.job import SynthConfig
     from serve.agent_app import AgentServeConfig
 
     return {"grpo": (GRPO, GRPOJobConfig), "eval": (EVAL, EvalConfig), "synthesize": (SYNTH, SynthConfig),

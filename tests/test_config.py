@@ -599,7 +599,7 @@ def test_input_paths_name_the_shared_data_folder_through_the_environment(monkeyp
 def test_upstream_config_is_the_demo_profile_with_the_downstream_run_and_overrides(tmp_path):
     """What a job builds on (or reuses): the same folder as `jobs/<upstream>.py --run.root=R --run.seed=S ...`."""
     from osvl.config import upstream_config
-    from osvl.synth.pipeline import JOB, SynthConfig
+    from osvl.synth.job import JOB, SynthConfig
 
     got = upstream_config(SynthConfig, JOB, RunConfig(root=str(tmp_path), seed=3, name="ignored"), {"num_shards": 5})
     want = C.parse_args(SynthConfig, JOB, [f"--run.root={tmp_path}", "--run.seed=3", "--num_shards=5"])

@@ -19,7 +19,8 @@ import pytest
 from osvl.agent.evaluate import NO_TOOLS_SYSTEM
 from osvl.config import apply_override
 from osvl.synth.difficulty import DifficultyFilter, answer_in
-from osvl.synth.pipeline import ROW_SCHEMA, SynthConfig
+from osvl.synth.job import SynthConfig
+from osvl.synth.pipeline import ROW_SCHEMA
 
 TOWER_BRIDGE = "details_image_towerbridgelondon_background.jpg"
 MOON = "skimage_data_moon.jpg"

@@ -74,8 +74,8 @@ def test_synthesize_help_lists_the_difficulty_filter_settings():
 
 def test_two_difficulty_settings_land_in_two_run_folders(tmp_path):
     from osvl.config import run_dir
-    from osvl.synth.pipeline import JOB as SYNTH
-    from osvl.synth.pipeline import SynthConfig, validate
+    from osvl.synth.job import JOB as SYNTH
+    from osvl.synth.job import SynthConfig, validate
 
     base = [f"--run.root={tmp_path}", "--filter.stage=osvl.synth.difficulty:DifficultyFilter"]
     one = parse_args(SynthConfig, SYNTH, [*base, "--filter.difficulty.stages=one_image_search"])
@@ -106,7 +106,7 @@ def test_upstream_sections_are_typed_configs_of_their_jobs_from_their_demo_profi
     read by its field's type, as every other flag is."""
     from osvl.sft.job import SftConfig
     from osvl.synth.expert import TrajConfig
-    from osvl.synth.pipeline import SynthConfig
+    from osvl.synth.job import SynthConfig
 
     args = ["--synth.walk.hops=2,3", "--synth.walk.hop_probs=0.5,0.5", "--sft.epochs=4", "--sft.max_len=1024",
             "--trajectories.agent.max_turns=12", "--trajectories.teacher.oracle.think=full"]

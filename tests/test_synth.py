@@ -163,7 +163,7 @@ def test_a_development_split_is_disjoint_from_heldout_and_leaves_the_others_as_t
         e: "train" if s in ("sft", "rl") else s for e, s in moved.items()}
     assert Counter(moved[s] for s in seeds if old[s] == "sft") == {"sft": 3, "rl": 3}
     from osvl.errors import ConfigError
-    from osvl.synth.pipeline import SynthConfig, validate
+    from osvl.synth.job import SynthConfig, validate
 
     validate(SynthConfig(split_fractions=[0.4, 0.2, 0.2, 0.2], entity_split_fractions=[0.4, 0.2, 0.2, 0.2]))
     for seeds_f, entity_f in (([0.4, 0.2, 0.2, 0.2], [0.5, 0.3, 0.2]), ([0.4, 0.2, 0.2, 0.2], [0.5, 0.3, 0.2, 0.0]),
@@ -311,7 +311,7 @@ def test_kg_key_case_spells_the_answer_key_as_the_kg_does(graph):
 
 def test_config_rejects_bad_values():
     from osvl.config import apply_override
-    from osvl.synth.pipeline import SynthConfig, validate
+    from osvl.synth.job import SynthConfig, validate
 
     for key, value in [("walk.hop_probs", "0.5,0.6,0.2"), ("split_fractions", "0.5,0.5"),
                        ("degrade.kinds", "blur,sepia"), ("rewriter.kind", "llm"),
@@ -438,7 +438,8 @@ def test_shard_synthesis_with_the_llm_rewriter(graph, tmp_path):
     """A whole shard through the LLM path: safe paraphrases are used and recorded, the rest keep the template."""
     from osvl.config import apply_override
     from osvl.synth.invariants import violations
-    from osvl.synth.pipeline import ImageStore, SynthConfig, plan, synthesize_shard
+    from osvl.synth.job import SynthConfig
+    from osvl.synth.pipeline import ImageStore, plan, synthesize_shard
 
     def reply(question):
         if sum(map(ord, question)) % 2:

@@ -37,9 +37,8 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pyarrow as pa
@@ -47,118 +46,18 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from osvl import storage
-from osvl.config import RunConfig, config_hash, from_dict, opt, run_dir, to_dict
-from osvl.endpoint import EndpointConfig
+from osvl.config import config_hash
 from osvl.errors import ConfigError
 from osvl.logs import Progress
-from osvl.synth.degrade import UNDO_TOOL, degrade
-from osvl.synth.difficulty import DifficultyConfig
+from osvl.synth.degrade import degrade
 from osvl.synth.invariants import fold, violations
 from osvl.synth.rewrite import llm_rewrite, template_rewrite
 from osvl.synth.walks import SPLITS, Graph, SplitMap, WalkConfig, assign_splits, random_walk
-from osvl.tracking import tracked
+
+if TYPE_CHECKING:
+    from osvl.synth.job import SynthConfig
 
 logger = logging.getLogger(__name__)
-
-JOB = "synthesize"
-
-
-@dataclass
-class WalkOptions:
-    hops: list[int] = opt([2, 3, 4], "Hop counts a walk may take.")
-    hop_probs: list[float] = opt([0.4, 0.4, 0.2], "Probability of each entry of walk.hops.")
-    hub_in_degree: int = opt(300, "Skip entities with more in-links than this (10000 for full Wikipedia; "
-                             "300 is about the sample's 99th percentile).")
-    max_retries: int = opt(10, "Walk+rewrite retries for one question before giving up on it.")
-    max_answer_words: int = opt(6, "Longest answer, in words.")
-    entity_answers: bool = opt(True, "A walk may end by asking for the entity its last relation points to (\"the "
-                                     "country of ...\", answered with that entity's name and aliases) where that "
-                                     "relation has one target; off: every answer is an attribute's value.")
-
-
-@dataclass
-class RewriterOptions:
-    kind: Literal["template", "llm"] = opt("template", "template (default, deterministic) or llm (an OpenAI-compatible "
-                                                      "endpoint).")
-    endpoint: EndpointConfig = opt(EndpointConfig(timeout_s=30.0, max_concurrency=8),
-                                   "llm: the chat endpoint (max_concurrency is per synthesis worker).")
-    temperature: float = opt(0.7, "llm: sampling temperature.")
-    key_case: Literal["lower", "kg"] = opt(
-        "lower", "How the question spells the answer key: lower (\"the field of ...\", English) or kg (as the KG "
-        "stores it, \"the Field of ...\": the same tokens as the \"Field: ...\" line the answer is read from, for a "
-        "policy that copies by token).")
-
-
-@dataclass
-class DegradeOptions:
-    share: float = opt(0.1, "Share of questions whose image is degraded.")
-    kinds: list[str] = opt(["blur", "downsample", "perspective"], "Degradations drawn uniformly.")
-
-
-@dataclass
-class FilterOptions:
-    stage: str = opt("", "Difficulty filter stage as module:Class: a Ray Data map_batches callable class, "
-                     "constructed with this job's config, taking and returning a pyarrow.Table; empty = no "
-                     "filter. osvl.synth.difficulty:DifficultyFilter is osvl's (settings: filter.difficulty).")
-    concurrency: int = opt(1, "Actors of the filter stage.", hashed=False)
-    num_gpus: float = opt(0.0, "GPUs per filter actor.", hashed=False)
-    difficulty: DifficultyConfig = opt(DifficultyConfig, "Settings of osvl.synth.difficulty:DifficultyFilter.")
-
-
-@dataclass
-class SynthConfig:
-    run: RunConfig = opt(RunConfig, "Run root and global seed.")
-    kg_dir: str = opt("", "KG folder (entities/links/anchors Parquet + images/); empty = the committed sample.")
-    questions_per_seed: int = opt(100, "Most questions made from one seed entity.")
-    attempts_per_seed: int = opt(300, "Most question attempts per seed (each up to walk.max_retries walks).")
-    patience: int = opt(30, "Give up on a seed after this many attempts in a row made no new question (a "
-                        "seed of a tree-shaped KG has only a few distinct walks; retrying them all "
-                        "attempts_per_seed times only finds duplicates).")
-    min_grounding_score: float = opt(0.0, "Use only anchors scoring at least this.")
-    num_shards: int = opt(16, "Shards (groups of seeds); the unit of parallelism and of resume.")
-    workers: int = opt(2, "Ray Data actors synthesizing shards in parallel.", hashed=False)
-    role_units: float = opt(0.0, "Units of the 'data' custom resource (osvl.cluster.ROLE_RESOURCES, declared on data "
-                                 "nodes by cluster.yaml and deploy/) each worker requests; 0 = none.", hashed=False)
-    split_fractions: list[float] = opt([0.6, 0.3, 0.1], "sft/rl/heldout[/dev] share of seeds (so of questions); "
-                                                        "a fourth share makes a development split, dev.parquet, "
-                                                        "disjoint from heldout (tune on dev, report on heldout).")
-    entity_split_fractions: list[float] = opt(
-        [0.5, 0.3, 0.2], "sft/rl/heldout[/dev] share of non-seed entities; small splits get a little more room "
-        "because their walks run in a thinner subgraph.")
-    max_answer_share: float = opt(0.025, "Most questions one answer string may have (share of all).")
-    max_seed_share: float = opt(0.08, "Most questions one seed may have (share of all).")
-    walk: WalkOptions = opt(WalkOptions, "Random walks.")
-    rewriter: RewriterOptions = opt(RewriterOptions, "Question rewriting.")
-    degrade: DegradeOptions = opt(DegradeOptions, "Image degradation.")
-    filter: FilterOptions = opt(FilterOptions, "Difficulty filter stage slot and osvl's filter's settings.")
-
-
-def validate(cfg: SynthConfig) -> None:
-    w = cfg.walk
-    if len(w.hops) != len(w.hop_probs) or not w.hops or min(w.hops) < 1:
-        raise ConfigError("walk.hops and walk.hop_probs must be equally long, with hops >= 1")
-    if abs(sum(w.hop_probs) - 1) > 1e-6 or min(w.hop_probs) < 0:
-        raise ConfigError(f"walk.hop_probs must be non-negative and sum to 1, got {w.hop_probs}")
-    for name in ("split_fractions", "entity_split_fractions"):
-        f = getattr(cfg, name)
-        if len(f) not in (3, 4) or abs(sum(f) - 1) > 1e-6 or min(f) < 0:
-            raise ConfigError(f"{name} needs three or four non-negative shares (sft, rl, heldout[, dev]) summing "
-                              f"to 1, got {f}")
-    if (len(cfg.split_fractions) == 4) != (len(cfg.entity_split_fractions) == 4) or (
-            len(cfg.split_fractions) == 4 and (cfg.split_fractions[3] > 0) != (cfg.entity_split_fractions[3] > 0)):
-        raise ConfigError("split_fractions and entity_split_fractions must both give dev a share, or neither")
-    if not 0 <= cfg.degrade.share <= 1:
-        raise ConfigError(f"degrade.share must be in [0, 1], got {cfg.degrade.share}")
-    unknown = set(cfg.degrade.kinds) - set(UNDO_TOOL)
-    if unknown or (cfg.degrade.share > 0 and not cfg.degrade.kinds):
-        raise ConfigError(f"degrade.kinds must be a non-empty subset of {sorted(UNDO_TOOL)}, got {cfg.degrade.kinds}")
-    if cfg.rewriter.kind not in ("template", "llm"):
-        raise ConfigError(f"rewriter.kind must be template or llm, got {cfg.rewriter.kind!r}")
-    if cfg.rewriter.kind == "llm":
-        cfg.rewriter.endpoint.check("rewriter.endpoint")
-    cfg.filter.difficulty.check()
-    if cfg.num_shards < 1 or cfg.workers < 1 or cfg.questions_per_seed < 1 or cfg.patience < 1:
-        raise ConfigError("num_shards, workers, questions_per_seed and patience must be >= 1")
 
 
 def plan(graph: Graph, cfg: SynthConfig) -> tuple[list[list[int]], SplitMap]:
@@ -354,8 +253,8 @@ def _draft_of(row: dict[str, Any]) -> Any:
 class ShardWorker:
     """Ray Data callable class: maps the compiled KG once per actor, then synthesizes and commits whole shards."""
 
-    def __init__(self, cfg: dict[str, Any], out_dir: str):
-        self.cfg = from_dict(SynthConfig, cfg)
+    def __init__(self, cfg: SynthConfig, out_dir: str, job: str):
+        self.cfg, self.job = cfg, job
         self.graph = Graph.load(self.cfg.kg_dir or None, max_answer_words=self.cfg.walk.max_answer_words)
         self.shards, self.split_of = plan(self.graph, self.cfg)
         self.out = storage.attach(out_dir)  # the run folder's location: this node may hold no copy yet
@@ -370,7 +269,7 @@ class ShardWorker:
             if shard == 0:  # the graph is the same for every shard: count its bad rows once
                 counts["graph_bad_rows"] = Counter(self.graph.bad)
             commit_shard(self.out / "shards", shard, rows, counts)
-            record_counts(self.out.name, {"seeds": len(self.shards[shard]), "questions": len(rows)}, counts)
+            record_counts(self.job, self.out.name, {"seeds": len(self.shards[shard]), "questions": len(rows)}, counts)
             # the shard's parquet is its "done" marker: published last
             storage.publish(self.out, "images", f"shards/shard-{shard:05d}.json", f"shards/shard-{shard:05d}.parquet")
             done.append(shard)
@@ -379,11 +278,11 @@ class ShardWorker:
         return {"shard": np.array(done), "questions": np.array(sizes), "seconds": np.array(secs)}
 
 
-def record_counts(run: str, rows: dict[str, int], drops: dict[str, Counter[str]]) -> None:
+def record_counts(job: str, run: str, rows: dict[str, int], drops: dict[str, Counter[str]]) -> None:
     """Export rows out of each stage and drops by stage and reason (``osvl_synth_*``, labels osvl_job, run)."""
     from osvl import metrics as M
 
-    rec = M.Recorder(JOB, run)
+    rec = M.Recorder(job, run)
     for stage, n in rows.items():
         rec.inc(M.SYNTH_ROWS, n, stage=stage)
     for stage, reasons in drops.items():
@@ -578,7 +477,8 @@ def card_markdown(card: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def finalize(cfg: SynthConfig, out: Path, num_shards: int, seconds: float, seeds_planned: int) -> dict[str, Any]:
+def finalize(cfg: SynthConfig, out: Path, num_shards: int, seconds: float, seeds_planned: int, job: str
+             ) -> dict[str, Any]:
     """Read every committed shard, run the filter slot and the caps, write the splits and the data card."""
     shard_dir = out / "shards"
     tables, counts = [], {}
@@ -597,7 +497,7 @@ def finalize(cfg: SynthConfig, out: Path, num_shards: int, seconds: float, seeds
         part = table.filter(pc.equal(table.column("split"), split))
         with storage.atomic(out / f"{split}.parquet") as tmp:
             pq.write_table(part, tmp)
-    record_counts(out.name, {"kept": table.num_rows},
+    record_counts(job, out.name, {"kept": table.num_rows},
                   {k: counts[k] for k in ("difficulty_filter", "caps") if k in counts})
     card = data_card(cfg, table, counts, seconds, seeds_planned)
     (out / "data_card.json").write_text(json.dumps(card, indent=1, sort_keys=False))
@@ -645,34 +545,3 @@ def run_shards(worker: type, kwargs: dict[str, Any], todo: list[int], total: int
             finished += 1
             log(f"  shard {int(row['shard']):5d} done: {line(row)} ({finished}/{total})")
             bar.update(1)
-
-
-@tracked(JOB)
-def run(cfg: SynthConfig, *, log: Callable[[str], None] = logger.info) -> tuple[Path, dict[str, Any]]:
-    """Synthesize (resuming committed shards), finalize; returns the run folder and the data card."""
-    from osvl.cluster import init_ray
-
-    validate(cfg)
-    t0 = time.perf_counter()
-    out = run_dir(cfg, JOB)
-    graph = Graph.load(cfg.kg_dir or None, max_answer_words=cfg.walk.max_answer_words)
-    shards = plan(graph, cfg)[0]
-    n_seeds = sum(len(s) for s in shards)
-    if n_seeds == 0:
-        raise ConfigError(f"the KG at {graph.root} has no seed entity (no anchor scoring >= "
-                          f"{cfg.min_grounding_score}); nothing to synthesize")
-    check_same_kg(graph, out / "shards")
-    todo = [k for k in range(cfg.num_shards) if not shard_path(out / "shards", k).exists()]
-    log(f"synthesize: {len(graph.entities)} entities, {n_seeds} seeds in {cfg.num_shards} shards; "
-        f"{cfg.num_shards - len(todo)} already done, {len(todo)} to run with {cfg.workers} workers -> {out}")
-    del graph, shards  # the workers map their own; the driver keeps no share of the pages they touch
-    if todo:
-        init_ray()
-        run_shards(ShardWorker, {"cfg": to_dict(cfg), "out_dir": storage.location(out)}, todo, cfg.num_shards,
-                   workers=cfg.workers, role_units=cfg.role_units, desc=JOB,
-                   line=lambda row: f"{int(row['questions'])} questions in {float(row['seconds']):.1f} s", log=log)
-        storage.refresh(out)  # shards the workers on other nodes published
-    card = finalize(cfg, out, cfg.num_shards, time.perf_counter() - t0, n_seeds)
-    storage.publish(out)
-    log(f"synthesize: {card['questions']} questions {card['splits']} in {card['seconds']} s -> {out}")
-    return out, card
