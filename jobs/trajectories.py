@@ -15,9 +15,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 from osvl.config import cli  # noqa: E402
+from osvl.expert.job import JOB, TrajConfig  # noqa: E402
 from osvl.logs import start_job  # noqa: E402
 from osvl.recipe import run_trajectories  # noqa: E402
-from osvl.synth.expert import JOB, TrajConfig  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,7 +1,7 @@
 """The recipe's stage chaining, in one place: questions -> expert trajectories -> SFT -> GRPO.
 
 Each stage is a job of its own that takes its inputs as paths and knows nothing of the others:
-``osvl.synth.job`` (questions), ``osvl.synth.expert`` (expert trajectories of given questions),
+``osvl.synth.job`` (questions), ``osvl.expert.job`` (expert trajectories of given questions),
 ``osvl.sft.job`` (SFT on given trajectories), ``osvl.rl.job`` (GRPO from given questions and policy).
 RL, evaluation and SFT are siblings over the shared training kit (``osvl.train``); only this module
 knows the order of the stages and what one hands the next. Every "build or reuse the upstream stage"
@@ -39,6 +39,7 @@ from osvl.config import (
     upstream_config,
 )
 from osvl.errors import ConfigError
+from osvl.expert import job as expert
 from osvl.logs import start_job
 from osvl.models.pretrain import BASE_KIND, PretrainConfig, corpus_rows, export, train, turns_text
 from osvl.models.pretrain import JOB as PRETRAIN_JOB
@@ -49,8 +50,8 @@ from osvl.rl.job import run as run_grpo_stage
 from osvl.rl.plan import run_check
 from osvl.rl.report import Summary, verdict
 from osvl.sft import job as sft
-from osvl.synth import expert, pipeline
 from osvl.synth import job as synth_job
+from osvl.synth import pipeline
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")

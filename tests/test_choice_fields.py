@@ -25,14 +25,14 @@ def _jobs() -> dict[str, tuple[str, type]]:
     from jobs.ask import AskConfig
     from osvl.eval.job import JOB as EVAL
     from osvl.eval.job import EvalConfig
+    from osvl.expert.job import JOB as TRAJ
+    from osvl.expert.job import TrajConfig
     from osvl.kg.dump import JOB as BUILD_KG
     from osvl.kg.dump import BuildKGConfig
     from osvl.recipe import GRPOJobConfig
     from osvl.rl.job import JOB as GRPO
     from osvl.sft.job import JOB as SFT
     from osvl.sft.job import SftConfig
-    from osvl.synth.expert import JOB as TRAJ
-    from osvl.synth.expert import TrajConfig
     from osvl.synth.job import JOB as SYNTH
     from osvl.synth.job import SynthConfig
     from serve.agent_app import AgentServeConfig

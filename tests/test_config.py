@@ -545,9 +545,9 @@ def test_sft_run_key_follows_the_model_behind_a_tiny_kind(monkeypatch):
     """A tiny kind names a build (tokenizer, weights) that a code or corpus change replaces: the SFT and
     trajectories runs (and the GRPO run that embeds their configs) must get new folders then, not resume
     a checkpoint or reuse records of the old build."""
+    from osvl.expert.job import TrajConfig
     from osvl.models import tiny
     from osvl.sft.job import SftConfig
-    from osvl.synth.expert import TrajConfig
 
     before = config_hash(SftConfig()), config_hash(TrajConfig())
     assert C._hashed_dict(SftConfig())["tiny_kind"] == tiny.tiny_checkpoint("qwen3_vl").name

@@ -15,10 +15,10 @@ from osvl.agent.loop import AgentConfig
 from osvl.agent.reward import RewardConfig
 from osvl.config import parse_args
 from osvl.errors import ConfigError
+from osvl.expert.job import TrajConfig
 from osvl.recipe import GRPOJobConfig
 from osvl.rl.job import JOB
 from osvl.rl.rollout import RolloutConfig
-from osvl.synth.expert import TrajConfig
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -104,8 +104,8 @@ def test_upstream_sections_are_typed_configs_of_their_jobs_from_their_demo_profi
     """jobs/grpo.py's synth / trajectories / sft sections are the sub-jobs' own configs (no dict[str, Any]):
     each starts from that job's demo profile, then the GRPO profile's entries, then the flags, each value
     read by its field's type, as every other flag is."""
+    from osvl.expert.job import TrajConfig
     from osvl.sft.job import SftConfig
-    from osvl.synth.expert import TrajConfig
     from osvl.synth.job import SynthConfig
 
     args = ["--synth.walk.hops=2,3", "--synth.walk.hop_probs=0.5,0.5", "--sft.epochs=4", "--sft.max_len=1024",

@@ -16,8 +16,9 @@ from _questions import sample_questions
 
 from osvl.agent.judge import answer_reward
 from osvl.agent.trajectory import read_trajectories
-from osvl.config import parse_args, run_dir, to_dict
-from osvl.synth.expert import JOB, ShardWorker, TrajConfig, run
+from osvl.config import parse_args, run_dir
+from osvl.expert.job import JOB, TrajConfig, run
+from osvl.expert.rollouts import ShardWorker
 
 
 @pytest.mark.slow
@@ -28,7 +29,7 @@ def test_trajectories_job_filters_writes_and_resumes(tmp_path, ray_cluster):
                                        "--keep_per_question=1", "--concurrency=8"])
     out = run_dir(cfg, JOB)
     # a first run that "died" after committing shard 0
-    worker = ShardWorker(to_dict(cfg), str(qdir), str(out))
+    worker = ShardWorker(cfg, str(qdir), str(out))
     first = asyncio.run(worker.run_shard(0, worker.questions[:6]))
     marker = (out / "shards" / "shard-00000.json").read_text()
     logs: list[str] = []

@@ -8,7 +8,7 @@ never seen is an induction-head skill, and induction heads take more tokens to f
 demo's SFT sees. This job gives the model those tokens once, offline; SFT then starts from its
 checkpoint (``--sft.model``).
 
-Corpus: oracle trajectories (``osvl.synth.expert``) of every question of the synthesize run's
+Corpus: oracle trajectories (``osvl.expert``) of every question of the synthesize run's
 ``sft`` split, with the demo's data recipe (the GRPO demo profile's ``synth`` and
 ``trajectories`` sections: 2-hop, fixed wording, a space before each copied span), read as
 plain text. Each row is one trajectory's tokens after the system prompt (the same 600 tokens in
