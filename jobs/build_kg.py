@@ -33,7 +33,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 from osvl.config import cli  # noqa: E402
-from osvl.kg.dump import JOB, BuildKGConfig, run  # noqa: E402
+from osvl.kg.job import JOB, BuildKGConfig, run  # noqa: E402
 from osvl.logs import start_job  # noqa: E402
 
 

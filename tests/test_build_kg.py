@@ -13,7 +13,8 @@ import pytest
 
 from osvl.config import RunConfig
 from osvl.kg import mediawiki
-from osvl.kg.dump import BuildKGConfig, iter_waves, parse_shard, run, shard_path
+from osvl.kg.dump import iter_waves, parse_shard, shard_path
+from osvl.kg.job import BuildKGConfig, run
 from osvl.kg.schema import fold, load_kg
 
 REPO = Path(__file__).resolve().parents[1]

@@ -27,8 +27,8 @@ def _jobs() -> dict[str, tuple[str, type]]:
     from osvl.eval.job import EvalConfig
     from osvl.expert.job import JOB as TRAJ
     from osvl.expert.job import TrajConfig
-    from osvl.kg.dump import JOB as BUILD_KG
-    from osvl.kg.dump import BuildKGConfig
+    from osvl.kg.job import JOB as BUILD_KG
+    from osvl.kg.job import BuildKGConfig
     from osvl.recipe import GRPOJobConfig
     from osvl.rl.job import JOB as GRPO
     from osvl.sft.job import JOB as SFT
