@@ -18,7 +18,6 @@ the offered tools, the search engine) is not set in its section: ``check`` says 
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import sys
 import time
@@ -29,7 +28,6 @@ from typing import Any, TypeVar
 from osvl.agent.trajectory import read_trajectories
 from osvl.config import (
     RunConfig,
-    input_path,
     merge,
     normalize_args,
     opt,
@@ -41,9 +39,10 @@ from osvl.config import (
 from osvl.errors import ConfigError
 from osvl.expert import job as expert
 from osvl.logs import start_job
-from osvl.models.pretrain import BASE_KIND, PretrainConfig, corpus_rows, export, train, turns_text
-from osvl.models.pretrain import JOB as PRETRAIN_JOB
-from osvl.models.tiny import tiny_checkpoint
+from osvl.models.job import JOB as PRETRAIN_JOB
+from osvl.models.job import PretrainConfig
+from osvl.models.job import run as run_pretrain
+from osvl.models.pretrain import BASE_KIND
 from osvl.rl.job import JOB as GRPO_JOB
 from osvl.rl.job import GRPOConfig
 from osvl.rl.job import run as run_grpo_stage
@@ -246,48 +245,14 @@ def recipe_entries(synth: Any) -> dict[str, Any]:
 
 def pretrain_main(argv: list[str] | None = None) -> dict:
     """``python jobs/pretrain_tiny.py``: the demo's data recipe built or reused, then the tiny policy pretrained on it
-    (``osvl.models.pretrain``), and exported when asked."""
-    from osvl.models.load import load_processor  # here: transformers takes seconds to import (jobs/grpo.py --help)
-
+    (``osvl.models.job``), and exported when asked."""
     cfg = start_job(PretrainConfig, PRETRAIN_JOB, argv)
     cfg.check()
-    base = Path(cfg.init) if cfg.init else tiny_checkpoint(BASE_KIND)
-    tok = load_processor(base).tokenizer
     grpo = grpo_recipe(cfg.grpo_profile)
     tpath, held = demo_trajectories(cfg.run, grpo, "sft", 0)
     probe = []
     if cfg.probe_questions:  # whole held-out trajectories, to read, never to train on
         ppath, _ = demo_trajectories(cfg.run, grpo, "heldout", cfg.probe_questions)
-        probe = corpus_rows(read_trajectories(ppath), tok, set(), 1 << 16)
-    out = run_dir(cfg, PRETRAIN_JOB)
-    if (out / "report.json").is_file() and (out / "model").is_dir():  # finished: rerun to export, not to train
-        report = json.loads((out / "report.json").read_text())
-        n_cut = report["rows_over_max_len"]
-        print(f"pretrain_tiny: reusing the finished run {out}", flush=True)
-    else:
-        trajs = list(read_trajectories(tpath))
-        rows = corpus_rows(trajs, tok, held, cfg.max_len)
-        # a row's answer is its last turn: a row cut at max_len never shows one (answers 0/96 at max_len 1024)
-        n_cut = sum(len(r) > cfg.max_len for r in corpus_rows(trajs, tok, held, 1 << 16))
-        # the recipe as trained on: the profile may change before a later rerun exports this run
-        report = train(cfg, rows, base, out, extra={"trajectories": str(tpath.parent), "heldout_entities": len(held),
-                                                 "rows_over_max_len": n_cut,
-                                                 "synth": recipe_entries(grpo.synth)},
-                       probe=probe)
-    print(f"pretrain_tiny: {report['rows']} rows ({report['tokens']:,} tokens; {len(held)} held-out entities cut "
-          f"out; {n_cut} rows cut at max_len={cfg.max_len}), {cfg.steps} steps in {report['seconds'] / 60:.1f} min, "
-          f"validation loss {report['val_loss']:.4f} -> {report['model']}", flush=True)
-    if report["heldout_turns"]:
-        print(f"pretrain_tiny: held-out turns greedy decoding reproduces whole: {turns_text(report['heldout_turns'])}",
-              flush=True)
-    if cfg.export_to:
-        if "synth" not in report:
-            raise ConfigError(f"{out} was trained before its report recorded the data recipe; train it again "
-                              "(another --run.name) to export it")
-        card = export(out / "model", input_path(cfg.export_to), probe, {
-            "grpo_profile": cfg.grpo_profile, "synth": report["synth"],
-            "heldout_questions": cfg.probe_questions, "run": out.name,
-            **{k: report[k] for k in ("rows", "tokens", "steps", "seconds", "val_loss", "heldout_turns")}})
-        print(f"pretrain_tiny: exported float16 weights to {cfg.export_to} (held-out loss {card['heldout_loss']:.4f} "
-              f"on the oracle's trajectories of {cfg.probe_questions} held-out questions)", flush=True)
-    return report
+        probe = read_trajectories(ppath)
+    return run_pretrain(cfg, read_trajectories(tpath), held, probe,
+                        {"trajectories": str(tpath.parent), "synth": recipe_entries(grpo.synth)})

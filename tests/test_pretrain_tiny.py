@@ -10,6 +10,7 @@ import pytest
 from osvl import chat as fmt
 from osvl.errors import ConfigError
 from osvl.models import pretrain, tiny
+from osvl.models.job import PretrainConfig
 from osvl.models.load import load_model, load_processor
 
 
@@ -65,7 +66,7 @@ def test_pretraining_lowers_the_loss_and_writes_a_checkpoint_sft_can_load(tmp_pa
     base = tiny.tiny_checkpoint("qwen3_vl")
     tok = load_processor(base).tokenizer
     rows = pretrain.corpus_rows([_trajectory(tok, [f"Place {i}"]) for i in range(6)], tok, set(), 10_000)
-    cfg = pretrain.PretrainConfig(run=RunConfig(root=str(tmp_path)), steps=12, batch=2, val_rows=2, lr=3e-3,
+    cfg = PretrainConfig(run=RunConfig(root=str(tmp_path)), steps=12, batch=2, val_rows=2, lr=3e-3,
                                   log_every=6, swap_share=0.5, embed_scale=5.0, copy_steps=2,
                                   keyed_steps=2, keyed_links=[" is", ":"], keyed_mix=2)
     probe = pretrain.corpus_rows([_trajectory(tok, ["Held Out"])], tok, set(), 10_000)
@@ -99,7 +100,7 @@ def test_pretraining_lowers_the_loss_and_writes_a_checkpoint_sft_can_load(tmp_pa
     exported = load_model(tmp_path / "export", dtype="float32", device="cpu")
     assert exported.get_output_embeddings().weight.data_ptr() == exported.get_input_embeddings().weight.data_ptr()
     # `--init`: the job continues from such a checkpoint (no second tying or scaling) on the same validation rows
-    more = pretrain.PretrainConfig(run=RunConfig(root=str(tmp_path)), steps=2, batch=2, val_rows=2, lr=3e-3,
+    more = PretrainConfig(run=RunConfig(root=str(tmp_path)), steps=2, batch=2, val_rows=2, lr=3e-3,
                                    log_every=2)
     with pytest.raises(ConfigError, match="embed_scale=0"):  # the profile's embed_scale would scale them twice
         pretrain.train(replace(more, embed_scale=5.0), rows, tmp_path / "model", tmp_path / "cont", log=lambda m: None)
@@ -252,7 +253,7 @@ def test_the_run_hash_follows_the_profiles_recipe_not_its_name(tmp_path):
     changed.write_text(yaml.safe_dump({**demo, "synth": {**demo["synth"], "rewriter": {"key_case": "lower"}}}))
 
     def run_hash(profile: str) -> str:
-        return config_hash(pretrain.PretrainConfig(grpo_profile=profile))
+        return config_hash(PretrainConfig(grpo_profile=profile))
 
     assert run_hash(str(same)) == run_hash("demo")
     assert run_hash(str(changed)) != run_hash("demo")

@@ -11,4 +11,5 @@ free of torch and transformers:
   directory that tests and the demo use.
 * ``osvl.models.pretrain``: the LM pretraining loop and corpus of ``jobs/pretrain_tiny.py`` (the tiny policy
   taught to copy before SFT).
+* ``osvl.models.job``: that job's config and ``run``.
 """

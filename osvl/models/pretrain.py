@@ -49,16 +49,16 @@ import re
 import shutil
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from osvl.config import RunConfig, opt, profile_path
 from osvl.errors import ConfigError
+
+if TYPE_CHECKING:
+    from osvl.models.job import PretrainConfig
 
 logger = logging.getLogger(__name__)
 
-JOB = "pretrain_tiny"
 BASE_KIND = "qwen3_vl"  # the tiny kind pretrained: its tokenizer renders the records, and the checkpoint keeps it
 # The committed checkpoint of this job (fp16, its data card README.md and card.json beside it): the demo's base.
 POLICY = Path(__file__).with_name("weights") / "tiny_policy"
@@ -70,78 +70,6 @@ CLAUSE = re.compile(r"whose .+? is (.+?) (?=mentioned in|that is)")
 DESC = re.compile(r"(?:on|of) the (?!one whose)(.+?) (?=mentioned in the article)")
 ANSWER = re.compile(r"<response>\s?(.+?)</response>")
 FIRST_ORDINARY = 300  # token ids below are bytes, special tokens and the most frequent merges: no copy spans
-
-
-def profile_recipe(grpo_profile: str) -> dict[str, Any]:
-    """What the run hash sees of ``grpo_profile``: its ``synth`` and ``trajectories`` sections as written.
-
-    The corpus is built from them, so a profile whose recipe changed must train a new run, not reuse
-    the one pretrained on the old recipe under the same name (and a renamed profile with the same
-    recipe reuses it).
-    """
-    import yaml
-
-    doc = yaml.safe_load(profile_path("grpo", grpo_profile).read_text()) or {}  # the GRPO job's profiles
-    return {"synth": doc.get("synth") or {}, "trajectories": doc.get("trajectories") or {}}
-
-
-@dataclass
-class PretrainConfig:
-    """jobs/pretrain_tiny.py: LM-pretrain the tiny Qwen3-VL on oracle trajectories of the sft split."""
-
-    run: RunConfig = opt(RunConfig, "Run root and seed (the seed also draws batches and the validation rows).")
-    grpo_profile: str = opt("demo", "GRPO profile whose synth and trajectories sections give the data recipe "
-                                    "(the policy is pretrained on the same kind of questions and turns it is "
-                                    "fine-tuned and trained on). The run hash covers those two sections, not "
-                                    "the name.", hash_as=profile_recipe)
-    init: str = opt("", "Checkpoint to start from (an earlier run's model/, to continue on a changed corpus or "
-                        "at another max_len); empty: the tiny model as built. Set embed_scale (refused on tied "
-                        "embeddings), copy_steps and keyed_steps to 0 when the checkpoint has been through them.")
-    steps: int = opt(600, "Optimizer steps.")
-    batch: int = opt(8, "Rows per step.")
-    max_len: int = opt(1024, "Tokens per row (a row is cut after this).")
-    lr: float = opt(2e-3, "Peak learning rate (AdamW, betas 0.9/0.95, no weight decay).")
-    warmup_share: float = opt(0.05, "Linear warm-up, as a share of the steps.")
-    min_lr_ratio: float = opt(0.1, "Cosine floor, as a share of lr.")
-    val_rows: int = opt(64, "Rows held out for the validation loss.")
-    embed_scale: float = opt(0.0, "If > 0: before training, tie the output embeddings to the input ones and scale "
-                                  "them by this (5: std 0.1; ``tie_and_scale``). 0 keeps the model as built "
-                                  "(untied, std 0.02), which forms no induction head within a CPU's steps.")
-    copy_steps: int = opt(0, "Steps of synthetic span copies (``copy_row``, batch 32, loss on the copy only) before "
-                             "the corpus: they form the induction head the corpus is too small to form.")
-    keyed_steps: int = opt(0, "Steps of synthetic keyed copies after those (``keyed_row``: 7 rows in 10, the rest "
-                              "``copy_row``): copying the value after \"key is\" where \" is\" follows every key, "
-                              "which the plain copy head cannot place.")
-    keyed_links: list[str] = opt([" is"], "Link strings a keyed row puts between key and value, one drawn per row: "
-                                          "\" is\" as in the question's clauses, \":\" as in a passage's "
-                                          "\"Key: value.\" lines, where an answer is read.")
-    keyed_mix: int = opt(0, "Synthetic rows (keyed and copy, as in the keyed phase) added to every corpus batch, "
-                            "their copy loss added to the corpus loss: without them the corpus erases the keyed "
-                            "skill (90/100 fresh values whole before it, 6/100 after; with 8 rows: 93 and 98/100).")
-    swap_share: float = opt(0.0, "Share of training rows whose copied spans (clause values, descriptions, hit "
-                                 "titles, the answer) are swapped for other rows' spans of the same kind, "
-                                 "consistently within the row (``swap_spans``): a copied span can then only be "
-                                 "predicted by copying, not recalled.")
-    probe_questions: int = opt(100, "Held-out questions whose oracle trajectories ``turn_probe`` reads at every "
-                                    "progress line (0: none). Never trained on.", hashed=False)
-    export_to: str = opt("", "Also write the trained weights here as a float16 checkpoint with card.json (its held-out "
-                             "loss on the probe's rows, as the committed policy's test checks it); e.g. "
-                             "osvl/models/weights/tiny_policy. A finished run is reused, not trained again.",
-                         hashed=False)
-    log_every: int = opt(50, "Progress line (with the validation loss) every N steps.", hashed=False)
-    threads: int = opt(2, "torch CPU threads.", hashed=False)
-
-    def check(self) -> None:
-        if min(self.steps, self.batch, self.max_len, self.val_rows) < 1 or self.lr <= 0:
-            raise ConfigError("steps, batch, max_len, val_rows and lr must be positive")
-        if min(self.embed_scale, self.copy_steps, self.keyed_steps, self.keyed_mix, self.probe_questions) < 0:
-            raise ConfigError("embed_scale, copy_steps, keyed_steps, keyed_mix and probe_questions must be >= 0")
-        if not self.keyed_links or not all(self.keyed_links):
-            raise ConfigError(f"keyed_links must be non-empty strings, got {self.keyed_links}")
-        if not 0.0 <= self.swap_share <= 1.0:
-            raise ConfigError(f"swap_share must be in [0, 1], got {self.swap_share}")
-        if self.export_to and not self.probe_questions:
-            raise ConfigError("export_to needs probe_questions > 0: the exported card states the held-out loss")
 
 
 def shown_titles(text: str) -> set[str]:
