@@ -1,4 +1,4 @@
-"""Train the default EDSR x4 weights with Ray Train (see osvl/train/edsr.py).
+"""Train the default EDSR x4 weights with Ray Train (see osvl/edsr/job.py).
 
     python jobs/train_edsr.py                        # demo profile: a few steps, proves the loop
     python jobs/train_edsr.py --profile=production   # the committed weights (docs/measurements.md: time)
@@ -15,8 +15,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from osvl.config import cli  # noqa: E402
+from osvl.edsr.job import JOB, TrainEdsrConfig, run  # noqa: E402
 from osvl.logs import start_job  # noqa: E402
-from osvl.train.edsr import JOB, TrainEdsrConfig, run  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> dict:
