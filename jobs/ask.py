@@ -3,7 +3,7 @@
     python jobs/ask.py --image FILE --question TEXT [--model DIR] [--engine hf|vllm]
                        [--tools inprocess|http --url URL] [--agent.max_turns=8 ...]
 
-``--key value`` and ``--key=value`` both work; what it prints: osvl/agent/ask.py.
+``--key value`` and ``--key=value`` both work; what it prints: osvl/agent/job.py.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from osvl.agent.ask import JOB, AskConfig, run  # noqa: E402
+from osvl.agent.job import JOB, AskConfig, run  # noqa: E402
 from osvl.config import cli  # noqa: E402
 from osvl.logs import start_job  # noqa: E402
 

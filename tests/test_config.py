@@ -634,7 +634,7 @@ def test_a_renamed_key_says_what_it_was_renamed_to(tmp_path):
     with pytest.raises(ConfigError, match=r"'learner.num_workers' was renamed to 'learner.workers'"):
         parse_args(GRPOJobConfig, "grpo", [f"--profile={old}"])
     assert parse_args(SftConfig, "sft", ["--workers=1", "--warmup_share=0.1"]).workers == 1
-    from osvl.agent.ask import JOB, AskConfig
+    from osvl.agent.job import JOB, AskConfig
 
     with pytest.raises(ConfigError, match=r"'tool_names' was renamed to 'offer'"):
         parse_args(AskConfig, JOB, ["--tool_names=crop"])
