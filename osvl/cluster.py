@@ -21,7 +21,13 @@ from __future__ import annotations
 
 import os
 import socket
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
 from typing import Any
+
+import psutil
 
 from osvl.errors import ConfigError
 
@@ -107,8 +113,8 @@ def init_ray(address: str | None = None, num_cpus: int | None = None, *,
     """
     for key, value in loopback_env().items():
         os.environ.setdefault(key, value)
-    import ray
-    import ray._private.ray_constants as ray_constants
+    import ray  # noqa: PLC0415 (d) keeps ray out of jobs/build_kg.py --help
+    import ray._private.ray_constants as ray_constants  # noqa: PLC0415 (d) keeps ray out of jobs/build_kg.py --help
 
     # Ray reads the variable once, at import; code that imported ray before calling us
     # would otherwise get sockets on every interface. Children inherit the variable.
@@ -139,7 +145,7 @@ def init_ray(address: str | None = None, num_cpus: int | None = None, *,
 def start_serve(http_port: int | None = None, host: str = LOOPBACK) -> int:
     """Start Ray Serve's HTTP proxy (on loopback unless a service's ``host`` says otherwise, which then
     needs its token); returns the port it listens on."""
-    from ray import serve
+    from ray import serve  # noqa: PLC0415 (d) keeps ray out of jobs/build_kg.py --help
 
     port = http_port or free_port()
     serve.start(http_options={"host": host, "port": port})
@@ -161,12 +167,6 @@ def head_up() -> str:
     temp dir lets ``head_down`` stop exactly this head, where ``ray stop`` would kill
     every Ray process on the machine.
     """
-    import subprocess
-    import sys
-    import time
-    import urllib.request
-    from pathlib import Path
-
     bin_dir = Path(sys.executable).parent
     # Jobs run `python ...` through the head's PATH: make that this environment's python.
     env = {**os.environ, **loopback_env(), **worker_env(f"http://{LOOPBACK}:{DASHBOARD_PORT}"),
@@ -201,8 +201,6 @@ def head_down() -> int:
 def stop_node(temp_dir: str) -> int:
     """Stop every process of the Ray node started with ``--temp-dir=temp_dir`` (and only those; a
     machine-wide ``ray stop`` would kill every Ray process of every user); returns how many."""
-    import psutil
-
     procs = []
     for proc in psutil.process_iter(["cmdline"]):
         try:

@@ -20,12 +20,14 @@ changes with the weights and tokenizer behind the kind).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import hashlib
 import inspect
 import json
 import os
+import re
 import sys
 import types
 import typing
@@ -33,6 +35,9 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal, TypeVar, get_args, get_origin, get_type_hints
 
+import yaml
+
+from osvl import storage
 from osvl.errors import ConfigError
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -68,8 +73,6 @@ def opt(default: Any, doc: str, *, hashed: bool = True, hash_as: Callable[[Any],
     if inspect.isfunction(default) or dataclasses.is_dataclass(default) and isinstance(default, type):
         return dataclasses.field(default_factory=default, metadata=meta)
     if isinstance(default, list | dict) or dataclasses.is_dataclass(default):
-        import copy
-
         return dataclasses.field(default_factory=lambda: copy.deepcopy(default), metadata=meta)
     return dataclasses.field(default=default, metadata=meta)
 
@@ -313,10 +316,6 @@ def apply_override(cfg: T, dotted: str, text: str) -> T:
 
 
 def load_yaml(path: str | Path) -> dict[str, Any]:
-    import re
-
-    import yaml
-
     class Loader(yaml.SafeLoader):
         """PyYAML follows YAML 1.1, where ``1e-3`` (no dot) is a *string*; configs write
         learning rates that way, so such numbers are read as floats here (YAML 1.2)."""
@@ -401,10 +400,6 @@ def run_dir(cfg: Any, job: str) -> Path:
     A remote root (``s3://...``, ``gs://...``) gives the node-local mirror of that folder,
     filled from storage (``osvl.storage``); the job publishes what it finishes back.
     """
-    import yaml
-
-    from osvl import storage
-
     run = cfg.run
     folder = run.name or config_hash(cfg)
     storage.open_root(run.root, "run.root")  # a bad root fails here, before anything is written
@@ -518,6 +513,4 @@ def upstream_config(cls: type[T], job: str, run: RunConfig, overrides: dict[str,
 
 def dump(cfg: Any) -> str:
     """The resolved config as YAML, printed by every job at start."""
-    import yaml
-
     return yaml.safe_dump(to_dict(cfg), sort_keys=False)

@@ -83,7 +83,7 @@ class ChatClient:
     async def complete(self, messages: list[dict[str, Any]], temperature: float, max_tokens: int | None = None,
                        seed: int | None = None) -> str:
         """One chat completion of OpenAI-shaped ``messages``; retries, then ``EndpointUnavailable``."""
-        import aiohttp
+        import aiohttp  # noqa: PLC0415 (d) osvl.tools.client imports without aiohttp (a test checks)
 
         if self._session is None:
             self._session = aiohttp.ClientSession(headers=self._headers())

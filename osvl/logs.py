@@ -24,6 +24,9 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from tqdm import tqdm
+
+from osvl.config import dump, normalize_args, parse_args
 from osvl.errors import ConfigError
 
 FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -47,8 +50,6 @@ class _Handler(logging.StreamHandler):
         try:
             msg = self.format(record)
             if Progress.active:
-                from tqdm import tqdm
-
                 tqdm.write(msg, file=sys.stdout)
             else:
                 sys.stdout.write(msg + "\n")
@@ -82,8 +83,6 @@ def start_job(cls: type[T], job: str, argv: list[str] | None = None,
     """Every job's first line: ``--log_level`` read and applied, the config resolved (``osvl.config.parse_args``,
     then ``finish``: a job's own checks and additions, which fail before anything is logged) and logged.
     ``--print_config`` prints that config (what the job would log) and exits 0 before anything starts."""
-    from osvl.config import dump, normalize_args, parse_args
-
     args = normalize_args(list(sys.argv[1:] if argv is None else argv))
     level = next((a.partition("=")[2] for a in args if a.startswith("--log_level=")), None)
     setup(level)
@@ -114,8 +113,6 @@ class Progress:
         self.postfix: dict[str, Any] = {}
         self.bar = None
         if sys.stderr.isatty():
-            from tqdm import tqdm
-
             self.bar = tqdm(total=total, desc=desc, unit=f" {unit}", initial=initial, file=sys.stderr,
                             dynamic_ncols=True, leave=True)
             Progress.active += 1

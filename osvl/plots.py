@@ -6,10 +6,13 @@ figure can be redrawn from saved numbers.
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from osvl.storage import atomic
 
 
 @dataclass
@@ -101,8 +104,6 @@ def training_curves(log_file: str | Path, panels: list[tuple[str, list[str]]], o
     later line. Keys no row has leave their panel saying "no data". The PNG is written beside ``out``
     and renamed into place, so a reader (or an upload) never sees half of one.
     """
-    import json
-
     import matplotlib
 
     matplotlib.use("Agg")
@@ -140,7 +141,6 @@ def training_curves(log_file: str | Path, panels: list[tuple[str, list[str]]], o
     if title:
         fig.suptitle(title, fontsize=12)
     fig.tight_layout()
-    from osvl.storage import atomic
 
     with atomic(out) as tmp:
         fig.savefig(tmp, dpi=90, format="png")

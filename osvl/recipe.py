@@ -150,8 +150,8 @@ def grpo_inputs(cfg: GRPOJobConfig, log: Log = logger.info) -> tuple[Path, Path 
     be a directory, a storage URI or a hub id (``model_location``)."""
     qdir = Path(cfg.questions).resolve() if cfg.questions else questions(cfg.run, cfg.synth, log)
     if cfg.model:
-        from osvl.models.load import model_location  # here: transformers takes seconds to import, and a config
-        #                                              error at start must not wait for it
+        # lazy, (d): transformers takes seconds to import, and a config error at start must not wait for it
+        from osvl.models.load import model_location  # noqa: PLC0415
         return qdir, model_location(cfg.model)
     scfg = dataclasses.replace(cfg.sft, run=stage_run(cfg.run))
     tdir, _ = run_trajectories(records_config(cfg, qdir), log)

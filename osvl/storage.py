@@ -27,16 +27,20 @@ is written.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import functools
 import hashlib
 import json
 import os
+import queue
 import threading
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
+
+import pyarrow.fs as pafs
 
 from osvl.errors import DataError, StorageError
 
@@ -77,8 +81,6 @@ def _credentials_missing_s3() -> bool:
 
 
 def _s3(setting: str, uri: str) -> Any:
-    import pyarrow.fs as pafs
-
     if _credentials_missing_s3():
         raise StorageError(f"{setting}={uri}: no S3 credentials (set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, "
                            "or AWS_PROFILE)")
@@ -95,8 +97,6 @@ def _s3(setting: str, uri: str) -> Any:
 
 @functools.cache
 def _open(uri: str, setting: str) -> tuple[Any, str]:
-    import pyarrow.fs as pafs
-
     if not is_uri(uri):
         return pafs.LocalFileSystem(), str(Path(uri).resolve())
     parsed = urlparse(uri)
@@ -248,8 +248,6 @@ PULL_CHUNK = 8 << 20  # bytes read and written at a time: a pull's memory does n
 def _pull_lock(local: Path) -> Iterator[None]:
     """One pull of a mirror at a time on this node: ranks, actors and tasks of one node share a mirror, and the
     second caller then finds the files pulled (an advisory ``flock``, released if the holder dies)."""
-    import fcntl
-
     local.mkdir(parents=True, exist_ok=True)
     with open(local / PULL_LOCK, "a+b") as f:
         fcntl.flock(f, fcntl.LOCK_EX)
@@ -266,8 +264,6 @@ def pull(uri: str, local: Path) -> bool:
     Each file streams into a temporary file in ``PULL_CHUNK`` pieces and is renamed into place (``atomic``):
     a reader sees the old file or the whole new one, never part of it, and a pull holds one chunk in memory
     whatever the file's size. Concurrent pulls of one mirror on a node take turns (``_pull_lock``)."""
-    import pyarrow.fs as pafs
-
     fs, path = open_root(uri)
     if fs.get_file_info(path).type.name == "NotFound":
         return False
@@ -362,8 +358,6 @@ def publish(folder: Path | str, *subpaths: str) -> None:
     version of a file, never half of one; jobs publish a "finished" marker (report, shard
     record) only after the data it vouches for.
     """
-    import pyarrow.fs as pafs
-
     folder = Path(folder)
     uri = location(folder)
     if uri == str(folder):
@@ -403,8 +397,6 @@ def train_storage(folder: Path | str) -> tuple[str, Any]:
 def _at(where: str) -> tuple[Any, str]:
     """``(filesystem, path)`` for a location; a bucket is opened and checked once per process (``open_root``),
     not once per object."""
-    import pyarrow.fs as pafs
-
     where = str(where)
     if not is_uri(where):
         return pafs.LocalFileSystem(), str(Path(where).resolve())
@@ -423,8 +415,6 @@ def exists(where: str) -> bool:
 
 def listdir(where: str) -> list[str]:
     """The names directly under the folder at ``where`` (files and folders), sorted; [] when there is none."""
-    import pyarrow.fs as pafs
-
     fs, path = _at(where)
     infos = fs.get_file_info(pafs.FileSelector(path, recursive=False, allow_not_found=True))
     return sorted(i.path.rstrip("/").rpartition("/")[2] for i in infos)
@@ -447,8 +437,6 @@ class UploadQueue:
     raises is raised again by the next ``submit`` or ``wait``: an upload that failed is never taken as done."""
 
     def __init__(self, max_pending: int = 1) -> None:
-        import queue
-
         self._tasks: queue.Queue[Callable[[], None] | None] = queue.Queue(maxsize=max_pending)
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="osvl-uploads", daemon=True)
@@ -482,8 +470,6 @@ class UploadQueue:
 
 def upload(local: Path | str, where: str) -> None:
     """Copy the local file ``local`` to ``where`` (an object store writes it whole, at close)."""
-    import pyarrow.fs as pafs
-
     fs, path = _at(where)
     pafs.copy_files(str(local), path, source_filesystem=pafs.LocalFileSystem(), destination_filesystem=fs)
 
@@ -491,8 +477,6 @@ def upload(local: Path | str, where: str) -> None:
 def download(where: str, local: Path | str) -> bool:
     """Copy the file or folder at ``where`` to ``local`` (a folder: everything under it); False when nothing is
     stored there. No mirror record is kept: callers download into a temporary name and rename it into place."""
-    import pyarrow.fs as pafs
-
     fs, path = _at(where)
     if fs.get_file_info(path).type.name == "NotFound":
         return False

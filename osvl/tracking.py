@@ -36,6 +36,8 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
+from osvl import storage
+from osvl.config import config_hash
 from osvl.errors import ConfigError
 
 TB_DIR = "tb"  # under a run folder: TensorBoard's event files
@@ -162,8 +164,6 @@ class Tracker:
     def publish(self) -> None:
         """Upload the event files when the run folder mirrors remote storage (``osvl.storage.publish``)."""
         if self._tb is not None:
-            from osvl import storage
-
             self._tb.flush()
             storage.publish(self.run_dir, TB_DIR)
 
@@ -190,7 +190,8 @@ class Tracker:
 def read_scalars(run_dir: str | Path) -> dict[str, list[tuple[int, float]]]:
     """What a run folder's event files hold: ``{name: [(step, value), ...]}`` in step order (for tests and
     reports; ``tensorboard --logdir`` is the viewer)."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    # lazy: (b) tensorboard is not in the vLLM env
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: PLC0415
 
     acc = EventAccumulator(str(Path(run_dir) / TB_DIR), size_guidance={"scalars": 0})  # 0: keep every point
     acc.Reload()
@@ -229,9 +230,6 @@ def point_latest(job_dir: Path, folder: str) -> None:
 def job_run(cfg: Any, job: str) -> Iterator[None]:
     """Around one job: the backends checked, ``latest`` and a "started" line at start; a "finished" or "failed"
     line (with the exception's type) at the end. Index trouble (a read-only root) is logged, never raised."""
-    from osvl import storage
-    from osvl.config import config_hash
-
     run = cfg.run
     check(getattr(run, "tracking", ()))
     root = str(run.root)

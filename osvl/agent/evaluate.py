@@ -25,12 +25,14 @@ the right tool and are not counted as unknown.
 from __future__ import annotations
 
 import hashlib
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import yaml
 
 from osvl import chat as fmt
 from osvl.agent.judge import answer_reward
@@ -118,10 +120,6 @@ def trained_tools(path: str | Path) -> list[str]:
     Looked up in ``OFFER_FILE`` in ``path``, else ``rollout.offer`` (GRPO) or ``offer``
     (trajectories) of the nearest ``config.yaml`` at or above it; [] (= every tool) when none says.
     """
-    import json
-
-    import yaml
-
     p = Path(path).resolve()
     if (p / OFFER_FILE).is_file():
         return list(json.loads((p / OFFER_FILE).read_text()))

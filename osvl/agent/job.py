@@ -16,11 +16,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+import numpy as np
+from PIL import Image
+
 from osvl.agent.engines import EngineKind
 from osvl.agent.env import build_env
-from osvl.agent.loop import AgentConfig
+from osvl.agent.loop import AgentConfig, run_episode
+from osvl.agent.scripted import agent_tools, tiny_agent_checkpoint
+from osvl.agent.trajectory import write_trajectories
 from osvl.config import opt
 from osvl.errors import ConfigError
+from osvl.models.tiny import tiny_checkpoint
 from osvl.tools.text_search import TextSearchConfig
 
 JOB = "ask"
@@ -46,12 +52,8 @@ class AskConfig:
 
 def resolve_model(name: str) -> Path:
     if name == "tiny":
-        from osvl.models.tiny import tiny_checkpoint
-
         return tiny_checkpoint("qwen3_vl")
     if name == "tiny-agent":
-        from osvl.agent.scripted import tiny_agent_checkpoint
-
         return tiny_agent_checkpoint()
     return Path(name)
 
@@ -87,13 +89,6 @@ def show(traj) -> str:
 
 
 async def ask(cfg: AskConfig) -> str:
-    import numpy as np
-    from PIL import Image
-
-    from osvl.agent.loop import run_episode
-    from osvl.agent.scripted import agent_tools
-    from osvl.agent.trajectory import write_trajectories
-
     if not cfg.image or not cfg.question:
         raise ConfigError("give both --image FILE and --question TEXT")
     if not Path(cfg.image).is_file():

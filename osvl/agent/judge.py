@@ -15,12 +15,18 @@ with retries, a cache and an explicit failure policy.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import re
 import string
 import unicodedata
 from collections import Counter
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
+
+from osvl.agent.engines.base import Sampling
+from osvl.errors import EndpointUnavailable
 
 F1_THRESHOLD = 0.8
 
@@ -110,9 +116,6 @@ class LLMJudge:
     """
 
     def __init__(self, engine: Any, cache_path: str | None = None, verdict_retries: int = 2) -> None:
-        import json
-        from pathlib import Path
-
         self.engine = engine
         self.verdict_retries = verdict_retries
         self.cache: dict[str, bool] = {}
@@ -125,20 +128,12 @@ class LLMJudge:
                     self.cache[row["key"]] = bool(row["correct"])
 
     def _key(self, question: str, answer: str, aliases: Iterable[str], response: str) -> str:
-        import hashlib
-        import json
-
         blob = json.dumps([getattr(self.engine, "name", ""), question, answer, sorted(aliases),
                            normalize_answer(response)], ensure_ascii=False)
         return hashlib.sha256(blob.encode()).hexdigest()
 
     async def judge(self, question: str, answer: str, aliases: Iterable[str], response: str) -> float:
         """1.0 or 0.0; raises ``EndpointUnavailable`` when no verdict can be had (see the class doc)."""
-        import json
-
-        from osvl.agent.engines.base import Sampling
-        from osvl.errors import EndpointUnavailable
-
         aliases = list(aliases)
         key = self._key(question, answer, aliases, response)
         if key in self.cache:

@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from PIL import Image
 
 from osvl import chat as fmt
 from osvl.agent.trajectory import Trajectory, TrajectoryBuilder, Turn, image_hash
@@ -182,8 +183,6 @@ def from_sharegpt(record: Mapping[str, Any], processor: Any, images: Sequence[np
 def import_sharegpt(path: str | Path, processor: Any, *, max_pixels: int | None = None,
                     model: str = "imported") -> tuple[list[Trajectory], dict[str, np.ndarray]]:
     """Every record of a ShareGPT file as trajectories, and their images by hash (for ``write_trajectories``)."""
-    from PIL import Image
-
     path = Path(path)
     trajs, store = [], {}
     for k, record in enumerate(read_records(path)):

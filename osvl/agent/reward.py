@@ -44,6 +44,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
+from osvl.agent.engines.base import Sampling
 from osvl.agent.fatal import MaskStart, mask_start
 from osvl.agent.judge import answer_reward
 from osvl.agent.trajectory import Trajectory, Turn
@@ -172,8 +173,6 @@ class ProcessJudge:
         self.observation_chars = observation_chars
 
     async def score(self, turns: list[Turn], question: Mapping[str, Any]) -> float:
-        from osvl.agent.engines.base import Sampling
-
         lines = []
         for t in turns:
             if t.action == "tool_call":

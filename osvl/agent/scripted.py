@@ -22,16 +22,27 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import shutil
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+from PIL import Image
 
 from osvl import chat as fmt
 from osvl.agent.engines.base import Sampling
 from osvl.agent.env import build_env
+from osvl.agent.loop import AgentConfig, run_episode
+from osvl.agent.trajectory import mm_token_type_ids, processor_inputs
+from osvl.models.tiny import build_key as tiny_key
+from osvl.models.tiny import build_once, tiny_checkpoint
+from osvl.storage import cache_root
+from osvl.tools.base import Tool
+from osvl.tools.registry import all_tools
 
 AGENT_TOOLS = ("crop", "text_search")
 # (question, answer, text_search query). The thoughts are the same for every question so that a
@@ -98,12 +109,6 @@ def question_folder(out: Path, answer: str | None = None) -> Path:
     rows), ``images/`` and ``schemas.json`` (the short tool descriptions the agent checkpoint was
     fine-tuned with: it fails on the long ones). ``answer`` replaces every reference answer (a judge test's
     wrong reference). Returns ``out``."""
-    import json
-
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-    from PIL import Image
-
     (out / "images").mkdir(parents=True, exist_ok=True)
     rows = []
     for i, (question, right, *_) in enumerate(PLANS):
@@ -123,9 +128,6 @@ def agent_tools() -> dict[str, Any]:
     halves every sequence, which is what keeps fine-tuning and the tests that sample from
     this model fast on a small CPU machine. The functions are the real ones.
     """
-    from osvl.tools.base import Tool
-    from osvl.tools.registry import all_tools
-
     short = {
         "crop": ("Crop a region of an image.", {"image": "string", "x": "integer", "y": "integer",
                                                 "width": "integer", "height": "integer"}),
@@ -142,8 +144,6 @@ def agent_tools() -> dict[str, Any]:
 
 
 async def _teacher_records(processor: Any) -> list[tuple[Any, list[np.ndarray]]]:
-    from osvl.agent.loop import AgentConfig, run_episode
-
     tools = agent_tools()
     schemas = [t.schema for t in tools.values()]
     teacher = ScriptedTeacher(agent_plans())
@@ -164,9 +164,7 @@ async def _teacher_records(processor: Any) -> list[tuple[Any, list[np.ndarray]]]
 def finetune(model: Any, processor: Any, records: list[tuple[Any, list[np.ndarray]]], steps: int = TRAIN_STEPS,
              lr: float = LR) -> list[float]:
     """Plain AdamW on the model tokens of (trajectory, its image arrays) pairs, one per step; returns the losses."""
-    import torch
-
-    from osvl.agent.trajectory import mm_token_type_ids, processor_inputs
+    import torch  # noqa: PLC0415 (d) keeps torch out of jobs/ask.py --help
 
     image_id = model.config.image_token_id
     batches = []
@@ -196,10 +194,9 @@ def finetune(model: Any, processor: Any, records: list[tuple[Any, list[np.ndarra
 
 def build(out: Path) -> dict[str, Any]:
     """Record the scripted teacher, fine-tune the tiny Qwen3-VL on it, save into ``out``."""
-    import torch
+    import torch  # noqa: PLC0415 (d) keeps torch out of jobs/ask.py --help
 
-    from osvl.models.load import load_model, load_processor
-    from osvl.models.tiny import tiny_checkpoint
+    from osvl.models.load import load_model, load_processor  # noqa: PLC0415 (d) keeps torch out of jobs/ask.py --help
 
     base = tiny_checkpoint("qwen3_vl")
     processor = load_processor(base)
@@ -219,16 +216,11 @@ def build(out: Path) -> dict[str, Any]:
 
 
 def build_key() -> str:
-    from osvl.models.tiny import build_key as tiny_key
-
     blob = Path(__file__).read_bytes() + fmt.CHAT_TEMPLATE.encode() + tiny_key("qwen3_vl").encode()
     return hashlib.sha256(blob).hexdigest()[:16]
 
 
 def tiny_agent_checkpoint(cache_dir: str | Path | None = None) -> Path:
     """The cached fine-tuned tiny agent checkpoint, built first if missing (atomic, like tiny.py)."""
-    from osvl.models.tiny import build_once
-    from osvl.storage import cache_root
-
     root = (Path(cache_dir) if cache_dir is not None else cache_root()) / "tiny"
     return build_once(root / f"qwen3_vl-agent-{build_key()}", build)

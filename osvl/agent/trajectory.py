@@ -28,6 +28,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+from PIL import Image
 
 from osvl.chat import IMAGE_PAD
 from osvl.errors import DataError
@@ -113,8 +116,6 @@ class Trajectory:
 
 
 def _schema():
-    import pyarrow as pa
-
     turn = pa.struct([
         ("index", pa.int32()), ("text", pa.string()), ("action", pa.string()), ("tool", pa.string()),
         ("arguments", pa.string()),  # JSON
@@ -174,8 +175,6 @@ def _from_row(row: dict[str, Any]) -> Trajectory:
 
 def png_bytes(arr: np.ndarray) -> bytes:
     """Lossless, deterministic PNG of an RGB uint8 array (fixed encoder settings, so the hash is stable)."""
-    from PIL import Image
-
     if not isinstance(arr, np.ndarray) or arr.dtype != np.uint8 or arr.ndim != 3 or arr.shape[2] != 3:
         raise DataError(f"expected an RGB uint8 image, got {type(arr).__name__} {getattr(arr, 'shape', '')}")
     buf = io.BytesIO()
@@ -190,8 +189,6 @@ def image_hash(arr: np.ndarray) -> str:
 
 def load_image(image_dir: str | Path, sha: str) -> np.ndarray:
     """The RGB uint8 array stored as ``image_dir/<sha>.png``."""
-    from PIL import Image
-
     path = Path(image_dir) / f"{sha}.png"
     if not path.is_file():
         raise DataError(f"image {sha} is not stored in {image_dir}")
@@ -206,9 +203,6 @@ def write_trajectories(out_dir: str | Path, trajs: Sequence[Trajectory], images:
     (images already stored are not rewritten). Parts are written to a temporary name and
     renamed, so a reader never sees half a part. Returns the part written.
     """
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
     out_dir = Path(out_dir)
     (out_dir / "images").mkdir(parents=True, exist_ok=True)
     table_dir = out_dir / "trajectories.parquet"
@@ -239,8 +233,6 @@ def write_trajectories(out_dir: str | Path, trajs: Sequence[Trajectory], images:
 
 def read_trajectories(path: str | Path) -> list[Trajectory]:
     """Every trajectory under ``path``: a run folder, its ``trajectories.parquet`` directory, or one part file."""
-    import pyarrow.parquet as pq
-
     path = Path(path)
     if path.is_dir() and (path / "trajectories.parquet").exists():
         path = path / "trajectories.parquet"
@@ -288,7 +280,7 @@ def processor_inputs(images: Sequence[np.ndarray], max_pixels: Sequence[int], pr
     (lossless), so the pixels match bit for bit. Images are processed one by one because
     each may have its own pixel cap (the overflow policy lowers it for late tool images).
     """
-    import torch
+    import torch  # noqa: PLC0415 (d) keeps torch out of jobs/ask.py --help
 
     if len(images) != len(max_pixels):
         raise DataError(f"{len(images)} images but {len(max_pixels)} max_pixels values")
@@ -424,8 +416,6 @@ class TrajectoryBuilder:
 
 def question_images(image_dir: Path, row: dict[str, Any]) -> list:
     """The RGB arrays of a synthesized question's images (stored under the synthesize run's images/)."""
-    from PIL import Image
-
     out = []
     for name in row["images"]:
         with Image.open(image_dir / name) as im:

@@ -30,9 +30,14 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
+import skimage.data
+
+from osvl.cluster import init_ray
 from osvl.config import RunConfig, input_path, opt, run_dir
 from osvl.errors import ConfigError, DataError
 from osvl.logs import setup
+from osvl.tools.super_resolution import build_model, evaluate, load_model, make_lr, read_rgb, save_checkpoint
 from osvl.tracking import tracked
 
 log = logging.getLogger("train_edsr")
@@ -99,14 +104,8 @@ def photo_paths(data: DataConfig) -> list[Path]:
 
 def load_photos(data: DataConfig) -> tuple[list, list]:
     """(train, holdout) lists of uint8 RGB arrays."""
-    import numpy as np
-
-    from osvl.tools.super_resolution import read_rgb
-
     imgs = [read_rgb(p) for p in photo_paths(data)]
     if data.skimage:
-        import skimage.data
-
         imgs += [np.asarray(getattr(skimage.data, n)()) for n in data.skimage]
     imgs = [im for im in imgs if im.ndim == 3 and min(im.shape[:2]) >= data.min_side]
     if len(imgs) <= data.holdout:
@@ -116,10 +115,7 @@ def load_photos(data: DataConfig) -> tuple[list, list]:
 
 def sample_batch(imgs: list, rng, n: int, hr: int, scale: int):
     """``n`` random HR patches with flips/turns and their bicubic LR versions, as float tensors in [0, 1]."""
-    import numpy as np
-    import torch
-
-    from osvl.tools.super_resolution import make_lr
+    import torch  # noqa: PLC0415 (d) keeps torch out of jobs/train_edsr.py --help
 
     his, los = [], []
     for _ in range(n):
@@ -140,12 +136,9 @@ def sample_batch(imgs: list, rng, n: int, hr: int, scale: int):
 
 def train_loop(config: dict) -> None:
     """One Ray Train worker: DDP over gloo, L1 loss, Adam with warm-up + cosine."""
-    import numpy as np
-    import ray.train
-    import ray.train.torch
-    import torch
-
-    from osvl.tools.super_resolution import build_model, evaluate, save_checkpoint
+    import ray.train  # noqa: PLC0415 (d) keeps ray out of jobs/train_edsr.py --help
+    import ray.train.torch  # noqa: PLC0415 (d) keeps ray out of jobs/train_edsr.py --help
+    import torch  # noqa: PLC0415 (d) keeps torch out of jobs/train_edsr.py --help
 
     setup()  # a Ray worker process: its root logger is not configured yet
     cfg: TrainEdsrConfig = config["cfg"]  # the object itself: this script's classes travel by value
@@ -210,11 +203,10 @@ def run(cfg: TrainEdsrConfig) -> dict:
     photo_paths(cfg.data)  # fail on bad folders before a cluster starts
     out = run_dir(cfg, JOB)
 
-    import ray.train
-    from ray.train.torch import TorchConfig, TorchTrainer
+    import ray.train  # noqa: PLC0415 (d) keeps ray out of jobs/train_edsr.py --help
 
-    from osvl.cluster import init_ray
-    from osvl.tools.super_resolution import evaluate, load_model, read_rgb
+    # lazy: (d) keeps ray out of jobs/train_edsr.py --help
+    from ray.train.torch import TorchConfig, TorchTrainer  # noqa: PLC0415
 
     init_ray(num_cpus=max(2, cfg.workers * cfg.threads_per_worker))
     trainer = TorchTrainer(

@@ -34,19 +34,28 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from osvl import storage
+from osvl.agent import evaluate as core  # core.evaluate_item at each call (tests/test_eval.py spies on it)
 from osvl.agent.engines import EngineKind, VLLMOptions
 from osvl.agent.env import build_env
-from osvl.agent.evaluate import MODES
+from osvl.agent.evaluate import MODES, QUESTION_PREFIX, aliased, trained_tools
 from osvl.agent.loop import AgentConfig
-from osvl.cluster import interpreter_env
-from osvl.config import RunConfig, from_dict, opt, to_dict
+from osvl.agent.scripted import agent_tools, tiny_agent_checkpoint
+from osvl.agent.teacher import PathOracle
+from osvl.cluster import init_ray, interpreter_env
+from osvl.config import RunConfig, from_dict, opt, run_dir, to_dict
 from osvl.endpoint import EndpointConfig
 from osvl.errors import ConfigError, DataError
+from osvl.eval.loaders import load_benchmark, load_image
+from osvl.eval.report import write_reports
 from osvl.logs import Progress
+from osvl.metrics import Recorder, record_eval_item
+from osvl.models.tiny import tiny_checkpoint
 from osvl.tools.cache import CacheMode
 from osvl.tools.outages import OutageConfig
+from osvl.tools.registry import offered_tools
 from osvl.tools.text_search import TextSearchConfig
-from osvl.tracking import tracked
+from osvl.tracking import Tracker, tracked
 
 logger = logging.getLogger(__name__)
 
@@ -138,12 +147,8 @@ def baseline_endpoint(cfg: EvalConfig) -> EndpointConfig:
 def resolve_model(name: str) -> str:
     """A checkpoint directory for the names that stand for one (tiny, tiny-agent); others unchanged."""
     if name == "tiny":
-        from osvl.models.tiny import tiny_checkpoint
-
         return str(tiny_checkpoint("qwen3_vl"))
     if name == "tiny-agent":
-        from osvl.agent.scripted import tiny_agent_checkpoint
-
         return str(tiny_agent_checkpoint())
     return name
 
@@ -152,11 +157,7 @@ class EvalWorker:
     """One Ray actor: a model, a processor and a tool client; ``run`` scores a chunk of items."""
 
     def __init__(self, cfg: dict[str, Any], cache_root: str, model_path: str) -> None:
-        import torch
-
-        from osvl import storage
-        from osvl.agent.evaluate import QUESTION_PREFIX, aliased, trained_tools
-        from osvl.tools.registry import offered_tools
+        import torch  # noqa: PLC0415 (d) keeps torch out of jobs/eval.py --help
 
         self.cfg = cfg = from_dict(EvalConfig, cfg)
         # a location (this node's mirror of a remote cache, filled with what other runs recorded)
@@ -167,8 +168,6 @@ class EvalWorker:
         offer = cfg.offer if chat else cfg.offer or trained_tools(model_path)
         schemas = offered_tools(offer, cfg.schemas)
         if model == "tiny-agent" and not (cfg.offer or cfg.schemas):
-            from osvl.agent.scripted import agent_tools
-
             schemas = [t.schema for t in agent_tools().values()]  # the short schemas it was fine-tuned with
         self.tools, names = aliased(schemas, cfg.alias_set)
         self.prefix = QUESTION_PREFIX.get(cfg.alias_set, "")
@@ -181,20 +180,16 @@ class EvalWorker:
                         judge_cache=str(Path(cache_root).parent / "judge_cache.jsonl"))
         self.engine, self.client, self.judge = env.engine, env.client, env.llm_judge
         if chat:
-            from osvl.models.load import load_processor
+            from osvl.models.load import load_processor  # noqa: PLC0415 (d) keeps torch out of jobs/eval.py --help
 
             self.processor = load_processor(model_path)
         else:
             self.processor = self.engine.processor
 
     async def _one(self, item: dict[str, Any], mode: str) -> dict[str, Any]:
-        from osvl.agent.evaluate import evaluate_item
-        from osvl.eval.loaders import load_image
-
         engine = self.engine
         try:
             if engine is None:  # the oracle is bound to one question
-                from osvl.agent.teacher import PathOracle
 
                 engine = PathOracle(item)
             images = [await asyncio.to_thread(load_image, ref) for ref in item["images"]]
@@ -203,9 +198,9 @@ class EvalWorker:
                     "prediction": None, "correct": 0.0, "rule_correct": 0.0, "llm_correct": None,
                     "judge_status": "rule", "failure": "item_error", "error": str(e)[:300], "turns": 0,
                     "tool_calls": 0, "tools": [], "fatal": False, "trajectory": []}
-        res = await evaluate_item(engine, item, images, self.client, mode, self.cfg.agent, processor=self.processor,
-                                  tools=self.tools, judge=self.judge, rag_top_k=self.cfg.rag_top_k,
-                                  question_prefix=self.prefix)
+        res = await core.evaluate_item(engine, item, images, self.client, mode, self.cfg.agent,
+                                       processor=self.processor, tools=self.tools, judge=self.judge,
+                                       rag_top_k=self.cfg.rag_top_k, question_prefix=self.prefix)
         return res.record
 
     async def run(self, chunk: list[tuple[str, str, dict[str, Any]]]) -> list[dict[str, Any]]:
@@ -223,8 +218,6 @@ class EvalWorker:
 
         records = list(await asyncio.gather(*(one(b, m, it) for b, m, it in chunk)))
         if self.cfg.tools == "inprocess":
-            from osvl import storage
-
             storage.publish(self.cache)  # the calls recorded for this chunk, for the next run on any node
         return records
 
@@ -248,14 +241,7 @@ def _key(rec: dict[str, Any]) -> tuple[str, str, str]:
 @tracked(JOB)
 def run(cfg: EvalConfig, log: Callable[[str], None] = logger.info) -> dict[str, Any]:
     """The whole job; returns the summary (also written as summary.json)."""
-    import ray
-
-    from osvl import storage
-    from osvl.cluster import init_ray
-    from osvl.config import run_dir
-    from osvl.eval.loaders import load_benchmark
-    from osvl.eval.report import write_reports
-    from osvl.metrics import Recorder, record_eval_item
+    import ray  # noqa: PLC0415 (d) keeps ray out of jobs/eval.py --help
 
     check(cfg)
     t0 = time.perf_counter()
@@ -327,8 +313,6 @@ def run(cfg: EvalConfig, log: Callable[[str], None] = logger.info) -> dict[str, 
 def log_scalars(out: Path, cfg: EvalConfig, summary: dict[str, Any]) -> None:
     """Pass@1 (and fatal rate, mean turns and tool calls) of each benchmark and mode as tracked scalars at step 0,
     ``pass_at_1/<benchmark>/<mode>``: an eval is one point, which TensorBoard shows beside the training curves."""
-    from osvl.tracking import Tracker
-
     with Tracker.for_run(out, cfg.run, job=JOB, config=to_dict(cfg)) as tracker:
         tracker.log({f"{key}/{bench}/{mode}": t[key] for bench, entry in summary["benchmarks"].items()
                      for mode, t in entry["modes"].items()

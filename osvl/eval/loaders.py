@@ -38,6 +38,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pyarrow.parquet as pq
+from PIL import Image, UnidentifiedImageError
 
 from osvl.errors import DataError
 
@@ -58,8 +60,6 @@ class Benchmark:
 
 def load_image(ref: str | bytes) -> np.ndarray:
     """An item image (a path or encoded bytes) as an RGB uint8 array; ``DataError`` when unreadable."""
-    from PIL import Image, UnidentifiedImageError
-
     try:
         with Image.open(io.BytesIO(ref) if isinstance(ref, bytes) else ref) as im:
             return np.asarray(im.convert("RGB"))
@@ -69,8 +69,6 @@ def load_image(ref: str | bytes) -> np.ndarray:
 
 def _check_images(images: list[str | bytes]) -> str:
     """'' when every image opens, else why not (missing / unreadable)."""
-    from PIL import Image
-
     for ref in images:
         if isinstance(ref, str) and not Path(ref).is_file():
             return f"missing_image: {ref}"
@@ -160,8 +158,6 @@ def _released_rl(row: dict) -> tuple[str, str, list[bytes]]:
 
 
 def _parquet(path: Path) -> tuple[str, list[tuple[int, dict[str, Any] | Exception]]]:
-    import pyarrow.parquet as pq
-
     rows = pq.read_table(path).to_pylist()
     if not rows:
         return "parquet", []

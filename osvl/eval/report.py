@@ -14,6 +14,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from osvl.plots import pass_at_1_bars
+
 
 def table(records: list[dict[str, Any]]) -> dict[str, Any]:
     """The figures of one (benchmark, mode) from its records."""
@@ -46,8 +48,6 @@ def markdown(bench: str, mode: str, t: dict[str, Any]) -> str:
 def write_reports(out: Path, records: list[dict[str, Any]], benches: list[Any], modes: list[str],
                   extra: dict[str, Any]) -> dict[str, Any]:
     """Write the tables, summary and chart under ``out``; return the summary."""
-    from osvl.plots import pass_at_1_bars
-
     tables_dir = out / "tables"
     tables_dir.mkdir(parents=True, exist_ok=True)
     by: dict[tuple[str, str], list[dict[str, Any]]] = {}

@@ -17,11 +17,13 @@ from osvl import storage
 from osvl.agent.loop import AgentConfig
 from osvl.agent.reward import RewardConfig
 from osvl.agent.teacher import OracleConfig
+from osvl.cluster import init_ray
 from osvl.config import RunConfig, opt, run_dir
 from osvl.endpoint import EndpointConfig
 from osvl.errors import ConfigError, DataError
 from osvl.expert.rollouts import ShardWorker, load_questions, merge_shards, report
 from osvl.models.tiny import TinyKind, checkpoint_name
+from osvl.synth import pipeline
 from osvl.synth.walks import Split
 from osvl.tools.cache import CacheMode
 from osvl.tools.outages import OutageConfig
@@ -123,9 +125,6 @@ def run(cfg: TrajConfig, *, log: Callable[[str], None] = logger.info,
         questions: Path | None = None) -> tuple[Path, dict[str, Any]]:
     """Answer the split's questions (``cfg.questions``, else ``questions``) with the teacher, filter, keep, write
     (resuming shards)."""
-    from osvl.cluster import init_ray
-    from osvl.synth import pipeline
-
     validate(cfg)
     t0 = time.perf_counter()
     qdir = questions_dir(cfg, questions)

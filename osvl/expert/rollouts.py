@@ -46,11 +46,19 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import pyarrow.parquet as pq
+from PIL import Image
 
 from osvl import storage
 from osvl.agent.env import build_env
+from osvl.agent.loop import run_episode
+from osvl.agent.reward import mark_failed_groups, score_trajectory
+from osvl.agent.teacher import PathOracle
+from osvl.agent.trajectory import write_trajectories
 from osvl.config import input_path
 from osvl.errors import ConfigError, EndpointUnavailable
+from osvl.models.tiny import tiny_checkpoint
+from osvl.tools.registry import all_tools
 
 if TYPE_CHECKING:
     from osvl.expert.job import TrajConfig
@@ -59,15 +67,11 @@ logger = logging.getLogger(__name__)
 
 
 def load_questions(path: Path, split: str, max_questions: int) -> list[dict[str, Any]]:
-    import pyarrow.parquet as pq
-
     rows = sorted(pq.read_table(path / f"{split}.parquet").to_pylist(), key=lambda r: r["id"])
     return rows[:max_questions] if max_questions > 0 else rows
 
 
 def _load_rgb(path: Path) -> np.ndarray:
-    from PIL import Image
-
     with Image.open(path) as img:
         return np.asarray(img.convert("RGB"))
 
@@ -89,16 +93,13 @@ class ShardWorker:
     """One Ray actor: loads the processor and tools once, then answers whole shards."""
 
     def __init__(self, cfg: TrajConfig, qdir: str, out_dir: str) -> None:
-        from osvl.models.load import load_processor
-        from osvl.tools.registry import all_tools
+        from osvl.models.load import load_processor  # noqa: PLC0415 (d) keeps transformers out of jobs/grpo.py --help
 
         self.cfg = cfg
         # locations, not paths: this node may hold no copy of either folder yet
         self.qdir, self.out = storage.attach(qdir), storage.attach(out_dir)
         model = str(input_path(self.cfg.model)) if self.cfg.model else ""
         if not model:
-            from osvl.models.tiny import tiny_checkpoint
-
             model = str(tiny_checkpoint(self.cfg.tiny_kind))
         self.processor = load_processor(model)
         # one env for the worker's life: its search index is loaded once; endpoint clients are closed after each
@@ -128,10 +129,6 @@ class ShardWorker:
         return {"shard": np.array(done), "kept": np.array(kept), "seconds": np.array(secs)}
 
     async def run_shard(self, shard: int, rows: list[dict[str, Any]]) -> Counter[str]:
-        from osvl.agent.loop import run_episode
-        from osvl.agent.reward import mark_failed_groups, score_trajectory
-        from osvl.agent.trajectory import write_trajectories
-
         cfg, env = self.cfg, self.env
         teacher, client, llm_judge, process_judge = env.engine, env.client, env.llm_judge, env.process_judge
         counts: Counter[str] = Counter()
@@ -139,8 +136,6 @@ class ShardWorker:
         store: dict[str, np.ndarray] = {}
 
         async def rollout(row: dict[str, Any], image: np.ndarray, k: int) -> Any:
-            from osvl.agent.teacher import PathOracle
-
             seed = cfg.run.seed * 1_000_003 + k
             engine = teacher or PathOracle(row, seed=seed, cfg=cfg.teacher.oracle)
             try:

@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+import skimage.data
+from PIL import Image
 
 from osvl.errors import DataError
 from osvl.kg.schema import fold
@@ -53,12 +55,8 @@ class AnchorSource:
     def load(self, images_root: Path | None) -> np.ndarray:
         """The photo as a uint8 RGB array."""
         if self.source.startswith("skimage.data."):
-            import skimage.data
-
             img = getattr(skimage.data, self.source.rsplit(".", 1)[1])()
         else:
-            from PIL import Image
-
             with Image.open(Path(images_root) / self.source) as im:
                 img = np.asarray(im.convert("RGB"))
         if img.ndim == 2:

@@ -16,6 +16,8 @@ import sys
 import time
 from pathlib import Path
 
+from PIL import Image
+
 from osvl.config import input_path, opt, parse_args
 from osvl.kg import anchors as anc
 from osvl.kg import mediawiki, wikispeedia
@@ -36,8 +38,6 @@ class BuildSampleConfig:
 
 
 def _save_image(img, path: Path) -> None:
-    from PIL import Image
-
     im = Image.fromarray(img)
     im.thumbnail((MAX_SIDE, MAX_SIDE), Image.Resampling.LANCZOS)
     im.save(path, "JPEG", quality=85, optimize=True)

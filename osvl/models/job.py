@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from osvl.config import RunConfig, input_path, opt, profile_path, run_dir
 from osvl.errors import ConfigError
 from osvl.models.pretrain import BASE_KIND, corpus_rows, export, train, turns_text
@@ -26,8 +28,6 @@ def profile_recipe(grpo_profile: str) -> dict[str, Any]:
     the one pretrained on the old recipe under the same name (and a renamed profile with the same
     recipe reuses it).
     """
-    import yaml
-
     doc = yaml.safe_load(profile_path("grpo", grpo_profile).read_text()) or {}  # the GRPO job's profiles
     return {"synth": doc.get("synth") or {}, "trajectories": doc.get("trajectories") or {}}
 
@@ -97,7 +97,8 @@ def run(cfg: PretrainConfig, trajs: list[Any], held: set[str], probe_trajs: list
     entities cut out, or reuse the finished run; ``probe_trajs``: whole held-out trajectories, read by the progress
     lines' turn probe, never trained on; ``extra``: what the report records of the data recipe (its ``synth`` key
     is what an export's card states). Prints the closing lines; returns the report."""
-    from osvl.models.load import load_processor  # here: transformers takes seconds to import (jobs/grpo.py --help)
+    # lazy, (d): transformers takes seconds to import (jobs/grpo.py --help)
+    from osvl.models.load import load_processor  # noqa: PLC0415
 
     base = Path(cfg.init) if cfg.init else tiny_checkpoint(BASE_KIND)
     tok = load_processor(base).tokenizer

@@ -27,6 +27,8 @@ from typing import Any
 
 import torch
 import transformers
+from huggingface_hub import snapshot_download
+from huggingface_hub.errors import LocalEntryNotFoundError
 from transformers.models.qwen2_5_vl import processing_qwen2_5_vl
 from transformers.models.qwen2_vl import processing_qwen2_vl
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
@@ -96,9 +98,6 @@ def model_location(model: str) -> str:
     if path.is_dir():
         return str(path.resolve())
     if HUB_ID.fullmatch(model):
-        from huggingface_hub import snapshot_download
-        from huggingface_hub.errors import LocalEntryNotFoundError
-
         try:
             return snapshot_download(model, local_files_only=True)
         except LocalEntryNotFoundError as e:

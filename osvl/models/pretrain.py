@@ -52,7 +52,10 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from osvl.errors import ConfigError
+from osvl.logs import Progress
 
 if TYPE_CHECKING:
     from osvl.models.job import PretrainConfig
@@ -162,8 +165,6 @@ Rows = Callable[[random.Random], tuple[list[int], int]]  # a synthetic row maker
 def copy_train(model: Any, steps: int, make_row: Rows, rng: random.Random, log: Callable[[str], None] = logger.info,
                batch: int = 32, lr: float = 1e-3, name: str = "copy") -> None:
     """``steps`` AdamW steps on fresh ``make_row`` batches (``copy_row``, ``keyed_row``), loss on the copies only."""
-    import torch
-
     pad_id = int(model.config.text_config.pad_token_id)
     optim = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95))
     model.train()
@@ -180,8 +181,6 @@ def copy_train(model: Any, steps: int, make_row: Rows, rng: random.Random, log: 
 
 def copy_score(model: Any, make_row: Rows, rng: random.Random, n: int = 100) -> dict[str, Any]:
     """On ``n`` fresh ``make_row`` rows: the mean copy loss and how many copies greedy decoding makes whole."""
-    import torch
-
     model.eval()
     copied, total = 0, 0.0
     with torch.no_grad():
@@ -198,8 +197,6 @@ def tie_and_scale(model: Any, scale: float) -> None:
     """Tie ``model``'s output embeddings to its input embeddings, scaled by ``scale``, in place. One copy
     circuit then serves every token, seen in training or not: the logit of x for a residual carrying e_x is
     |e_x|^2; the scale makes those logits sharp enough to learn from (at std 0.02 they are not)."""
-    import torch
-
     emb = model.get_input_embeddings()
     if model.get_output_embeddings().weight is emb.weight:  # a checkpoint of this job (``init``): scaled already
         raise ConfigError(f"the model's embeddings are tied already, so it has been scaled once: set embed_scale=0 "
@@ -215,8 +212,6 @@ def turn_probe(model: Any, rows: list[list[int]], tokenizer: Any) -> dict[str, l
     """Per kind of assistant turn (``image_search``, ``search1``, ``search2+``, ``answer``): [turns greedy
     decoding reproduces token for token from the true prefix, turns]. A copy is only useful whole: this
     counts what the token-averaged loss hides (the first token of a span wrong, the rest right)."""
-    import torch
-
     head = tokenizer.encode("<|im_start|>assistant\n", add_special_tokens=False)
     end = tokenizer.convert_tokens_to_ids("<|im_end|>")
     out: dict[str, list[int]] = {}
@@ -256,8 +251,6 @@ def lr_at(step: int, cfg: PretrainConfig) -> float:
 def lm_loss(model: Any, rows: list[list[int]], pad_id: int, starts: list[int] | None = None) -> Any:
     """Mean next-token cross-entropy over the real tokens of ``rows`` (right-padded); with ``starts``, over
     each row's tokens from its ``starts[i]`` on (a synthetic copy row's copied span)."""
-    import torch
-
     width = max(map(len, rows))
     ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
     att = torch.zeros((len(rows), width), dtype=torch.long)
@@ -274,8 +267,6 @@ def lm_loss(model: Any, rows: list[list[int]], pad_id: int, starts: list[int] | 
 
 def val_loss(model: Any, rows: list[list[int]], pad_id: int, chunk: int = 16) -> float:
     """Token-weighted validation loss over ``rows`` (in chunks, no gradient)."""
-    import torch
-
     total = n = 0.0
     with torch.no_grad():
         for i in range(0, len(rows), chunk):
@@ -291,9 +282,7 @@ def export(model_dir: Path, dest: Path, probe: list[list[int]], card: dict[str, 
     tied embeddings are stored once) and ``card.json``: ``card`` plus ``heldout_loss``, the token-weighted
     loss of the float16 weights on ``probe`` (rows never trained on), the figure the committed policy's
     test reproduces. Returns the card."""
-    import torch
-
-    from osvl.models.load import load_model
+    from osvl.models.load import load_model  # noqa: PLC0415 (d) keeps transformers out of jobs/grpo.py --help
 
     model = load_model(model_dir, dtype="float32", device="cpu").eval()
     dest.mkdir(parents=True, exist_ok=True)
@@ -334,10 +323,8 @@ def train(cfg: PretrainConfig, rows: list[list[int]], base: Path, out: Path, ext
     (with ``extra``'s keys added); returns the report. ``probe``: rows never trained on (oracle trajectories
     of held-out questions) that ``turn_probe`` reads at every progress line as well as the validation rows:
     validation rows are about entities the training rows show, so they overstate held-out skill."""
-    import torch
-
-    from osvl.logs import Progress
-    from osvl.models.load import load_model, load_processor
+    # lazy: (d) keeps transformers out of jobs/grpo.py --help
+    from osvl.models.load import load_model, load_processor  # noqa: PLC0415
 
     torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.run.seed)

@@ -28,6 +28,9 @@ import tempfile
 from pathlib import Path
 from typing import Any, Literal, get_args
 
+import tokenizers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
 from osvl.chat import CHAT_TEMPLATE, SPECIAL_TOKENS
 from osvl.errors import ConfigError
 from osvl.storage import cache_root
@@ -82,7 +85,6 @@ MIN_TOKENS, MAX_TOKENS = 4, 64  # vision tokens per image, after the 2x2 merge
 
 def build_key(kind: str) -> str:
     """Hash of every input of the build; a change to any of them gives a new directory."""
-    import tokenizers
     import torch
     import transformers
 
@@ -101,7 +103,6 @@ def train_tokenizer():
     ``<|...|>`` tokens are special (dropped by ``skip_special_tokens``), the format tags are
     ordinary added tokens, as in the Qwen tokenizers, so decoded text keeps ``<think>`` etc.
     """
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     special = [t for t in SPECIAL_TOKENS if t.startswith("<|")] + EXTRA_SPECIAL

@@ -42,14 +42,17 @@ import pickle
 import random
 import re
 import shutil
+import time
 import uuid
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from osvl import storage
+from osvl.train import deepspeed as ds  # looked up at each call (tests/test_checkpoint_marker.py fakes them)
 
 PREFIX = "step_"
 MARKER = "COMPLETE"  # in a checkpoint folder: written last, after every rank's files are stored
@@ -138,8 +141,6 @@ def resume_point(root: Path, rank: int, local_rank: int, world: int) -> Path | N
     rank's files on every node: rank 0 picks the newest complete one (at the run root when it is
     remote), and the first rank of each other node pulls the same one into its node's mirror
     (DeepSpeed's loader reads every rank's optimizer file)."""
-    import torch.distributed as dist
-
     resume = latest(root, fetch=rank == 0)
     if world == 1:
         return resume
@@ -183,7 +184,7 @@ def owned_files(path: Path, rank: int) -> list[str]:
 
 
 def _buffer_state(buffer: Any) -> Any:
-    import ray
+    import ray  # noqa: PLC0415 (d) keeps ray out of jobs/grpo.py --help
 
     return ray.get(buffer.state.remote())
 
@@ -197,10 +198,6 @@ def save(engine: Any, root: Path, step: int, learner: Any, buffer: Any, processo
     (every rank on one node). Returns ``root / step_<NNNNNN>``, which exists locally only for a local
     run root (a remote one holds the checkpoint at the run root; ``latest(root, fetch=True)`` pulls it).
     """
-    import torch.distributed as dist
-
-    from osvl.train.deepspeed import save_checkpoint
-
     local_rank = rank if local_rank is None else local_rank
     name = f"{PREFIX}{step:06d}"
     final, stage = root / name, _staging(root, name)
@@ -219,7 +216,7 @@ def save(engine: Any, root: Path, step: int, learner: Any, buffer: Any, processo
     if world > 1:
         dist.barrier()
     stage.mkdir(parents=True, exist_ok=True)
-    save_checkpoint(engine, stage, client, processor)
+    ds.save_checkpoint(engine, stage, client, processor)
     if world > 1:
         dist.barrier()  # ranks that share a node share the staging folder: it is whole before anyone lists it
     if rank == 0:
@@ -273,8 +270,6 @@ def _upload(root: Path, stage: Path, uri: str, name: str, step: int, mine: list[
 
 def _wait_for(where: str) -> str:
     """The text stored at ``where``, once it is there (polled by name)."""
-    import time
-
     deadline = time.monotonic() + RECEIPT_TIMEOUT_S
     while (text := storage.read_text(where)) is None:
         if time.monotonic() > deadline:
@@ -319,9 +314,7 @@ def prune(root: Path, keep: int, current: str) -> None:
 
 def load_learner(engine: Any, path: Path) -> dict[str, Any]:
     """Restore model and optimizer (Adam moments) into ``engine``; returns the saved client state."""
-    from osvl.train.deepspeed import load_checkpoint
-
-    return load_checkpoint(engine, path)
+    return ds.load_checkpoint(engine, path)
 
 
 def load_buffer_state(path: Path) -> dict[str, Any]:

@@ -16,13 +16,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from osvl.config import RunConfig, opt
+from osvl.config import RunConfig, opt, run_dir
 from osvl.logs import Progress
 from osvl.plots import pass_at_1_bars
 from osvl.rl import checkpoint as ckpt
 from osvl.rl.learner import RLConfig
 from osvl.rl.report import HEADER, Summary, format_row, heldout_report, summarize, summary_lines
-from osvl.rl.rollout import RolloutConfig
+from osvl.rl.rollout import RolloutConfig, heldout_scores
 from osvl.rl.trainer import (
     GRPOParts,
     LearnerConfig,
@@ -75,9 +75,6 @@ def run(cfg: GRPOConfig, qdir: Path, model: Path | str, log: Callable[[str], Non
     """GRPO from the policy ``model`` on the questions of synthesize run ``qdir`` (``osvl.recipe.grpo_inputs``
     resolves both); prints a per-step table and a final summary, returns the summary. ``cfg`` names the run
     folder: the recipe passes its whole config, upstream sections included, so another recipe is another run."""
-    from osvl.config import run_dir
-    from osvl.rl.rollout import heldout_scores
-
     t0 = time.perf_counter()
     questions = sorted(read_questions(qdir / "rl.parquet"), key=lambda r: r["id"])
     if cfg.max_questions:

@@ -38,7 +38,8 @@ from osvl.rl.loss import (
     token_mask,
 )
 from osvl.train import device
-from osvl.train.batch import Truncation
+from osvl.train.batch import Truncation, model_inputs
+from osvl.train.deepspeed import ds_config, init_engine
 
 
 @dataclass
@@ -218,8 +219,6 @@ def forward_logprobs(model: torch.nn.Module, batch: Mapping[str, torch.Tensor],
     benchmark's batches (8 x 790 tokens, 1,019 generated): 2.02 -> 1.35 CPU-seconds per
     learner step, and no (B, T, V) logits tensor in memory.
     """
-    from osvl.train.batch import model_inputs
-
     at = scored_positions(batch["gen_mask"])
     keep = torch.nn.functional.pad(at[:, 1:], (0, 1), value=False)  # logits at t predict token t + 1
     inputs = device.to_model({**model_inputs(batch), "logits_to_keep": keep}, model)
@@ -260,8 +259,6 @@ class StepResult:
 def learner_ds_config(cfg: RLConfig, *, zero_stage: int = 2, world: int = 1, bf16: bool = False,
                       hidden_size: int = 0, on_gpu: bool = False) -> dict[str, Any]:
     """The DeepSpeed config of a learner rank (``make_engine``; ``load_trainable`` builds the model by it)."""
-    from osvl.train.deepspeed import ds_config
-
     return ds_config(zero_stage, micro_batch=1, grad_accum=1, world_size=world, grad_clip=cfg.grad_clip, bf16=bf16,
                      hidden_size=hidden_size, on_gpu=on_gpu)
 
@@ -273,8 +270,6 @@ def make_engine(model: torch.nn.Module, cfg: RLConfig, *, zero_stage: int = 2, w
     marks its own accumulation boundary, so a step may have any number of micro-batches. Outside Ray
     Train (tests) it makes a one-process group first, so a test runs the learner exactly as a
     one-worker job does."""
-    from osvl.train.deepspeed import init_engine
-
     opt_ = optimizer or torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr,
                                           weight_decay=cfg.weight_decay)
     return init_engine(model, opt_, warmup_schedule(opt_, cfg.warmup_steps),

@@ -8,6 +8,7 @@ publishes weights, checkpoints, and writes the step's row and the training curve
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -15,7 +16,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 
+from osvl import metrics as M
+from osvl import storage
+from osvl.plots import training_curves
+from osvl.rl import checkpoint as ckpt
 from osvl.rl.learner import (
     Learner,
     RLConfig,
@@ -24,6 +30,16 @@ from osvl.rl.learner import (
     make_engine,
     mask_starts,
 )
+from osvl.rl.loss import group_advantages, stats_members
+from osvl.rl.weights import Publisher
+from osvl.tracking import Tracker
+from osvl.train import (
+    device,  # device.all_reduce, looked up at each call: the GPU rehearsal's plant replaces it
+    rehearsal,
+)
+from osvl.train.batch import collate
+from osvl.train.deepspeed import hidden_size, init_engine, load_trainable, partitioned_copy
+from osvl.train.device import group_device
 
 if TYPE_CHECKING:  # the launcher's module imports this one when it starts the learner
     from osvl.config import RunConfig
@@ -105,9 +121,6 @@ def rl_batch(groups: Sequence[Sequence[Any] | Piece], image_dir: str, processor:
     drop (longer than ``max_len`` under the ``drop`` policy) leave their group first, so the group
     statistics use the rows that are actually trained.
     """
-    from osvl.rl.loss import group_advantages, stats_members
-    from osvl.train.batch import collate
-
     keep: list[Any] = []
     group_ix: list[int] = []
     raw: list[torch.Tensor] = []
@@ -140,9 +153,6 @@ def reference_model(model_dir: Any, cfg: RLConfig, ds_cfg: dict[str, Any],
     and under ZeRO-3 partitioned over the ranks in an optimiser-less DeepSpeed engine, as OpenRLHF keeps it);
     on the accelerator either way. Under ZeRO-3, ``policy`` (the freshly built policy, before its engine)
     is copied partition by partition instead of reading the checkpoint again. None when ``cfg.beta`` is 0."""
-    from osvl.train.deepspeed import init_engine, load_trainable, partitioned_copy
-    from osvl.train.device import group_device
-
     if cfg.beta <= 0:
         return None
     if ds_cfg["zero_optimization"]["stage"] == 3:
@@ -182,19 +192,9 @@ def train_loop(config: dict[str, LoopSettings]) -> None:  # pragma: no mutate bl
     step's groups (whole groups: the advantages are per group; ``rank_share``) over the step's global
     divisor, so any number of groups on any number of ranks gives the one-worker gradient (``Learner.step``).
     """
-    import json
+    import ray  # noqa: PLC0415 (d) keeps ray out of jobs/grpo.py --help
 
-    import ray
-    import torch.distributed as dist
-
-    from osvl import storage
-    from osvl.models.load import load_processor
-    from osvl.rl import checkpoint as ckpt
-    from osvl.rl.weights import Publisher
-    from osvl.tracking import Tracker
-    from osvl.train import rehearsal
-    from osvl.train.deepspeed import hidden_size, load_trainable
-    from osvl.train.device import all_reduce
+    from osvl.models.load import load_processor  # noqa: PLC0415 (d) keeps transformers out of jobs/grpo.py --help
 
     st = config["settings"]
     cfg: RLConfig = st.rl
@@ -262,7 +262,7 @@ def train_loop(config: dict[str, LoopSettings]) -> None:  # pragma: no mutate bl
         ref = buffer.take.remote(step)
         while True:
             ready, _ = ray.wait([ref], timeout=CATCHUP_POLL_S)
-            waiting = all_reduce(torch.tensor([0 if ready else 1]), op="max").item()  # every rank polls alike
+            waiting = device.all_reduce(torch.tensor([0 if ready else 1]), op="max").item()  # every rank polls alike
             publisher.catch_up(engine, pushed)
             if not waiting:
                 return ray.get(ref)
@@ -325,9 +325,6 @@ CURVE_PANELS = [("reward parts", ["reward", "r_fmt", "r_acc", "r_query"]), ("fat
 
 def draw_curves(log_path: Path) -> None:  # pragma: no mutate block
     """``curves.png`` beside the step log, published when the run folder mirrors remote storage."""
-    from osvl import storage
-    from osvl.plots import training_curves
-
     training_curves(log_path, CURVE_PANELS, log_path.parent / CURVES, title=f"GRPO {log_path.parent.name}")
     storage.publish(log_path.parent, CURVES)
 
@@ -360,8 +357,6 @@ def step_row(step: int, groups: Sequence[Sequence[Any]], res: StepResult | None,
 
 def record_limits(rec: Any, cfg: RLConfig, max_staleness: int) -> None:  # pragma: no mutate block
     """Export the run's bounds once, so alert rules compare KL, entropy and staleness against them."""
-    from osvl import metrics as M
-
     for name, value in (("kl_max", cfg.kl_max), ("entropy_min", cfg.entropy_min), ("entropy_max", cfg.entropy_max),
                         ("max_staleness", max_staleness)):
         rec.set(M.RL_LIMIT, value, limit=name)
@@ -369,8 +364,6 @@ def record_limits(rec: Any, cfg: RLConfig, max_staleness: int) -> None:  # pragm
 
 def record_metrics(rec: Any, row: Mapping[str, Any], steps: int) -> None:  # pragma: no mutate block
     """Export a step's figures through Ray's metric API (specs in osvl/metrics.py) with the run's labels."""
-    from osvl import metrics as M
-
     if row["trajectories"]:  # a step whose groups were all dropped has no rates: a 0 would be a false dip
         for part in ("reward", "r_fmt", "r_acc", "r_query"):
             rec.set(M.RL_REWARD, row[part], part=part)

@@ -32,6 +32,9 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from osvl.cluster import role_resources
+from osvl.train.deepspeed import make_trainer, worker_bundle
+
 if TYPE_CHECKING:
     from osvl.rl.trainer import LearnerConfig
 
@@ -66,7 +69,7 @@ def learner_strategy(num_workers: int, use_gpu: bool, nodes: Iterable[Mapping[st
     if not use_gpu:
         return "PACK"
     if nodes is None:
-        import ray
+        import ray  # noqa: PLC0415 (d) keeps ray out of jobs/grpo.py --help
 
         nodes = ray.nodes()
     need = dict(bundle) if bundle else {"GPU": 1.0}
@@ -79,9 +82,6 @@ def make_learner(train_fn: Callable[[dict], None], loop_config: dict, lc: Learne
     """The learner's ``TorchTrainer`` (``osvl.train.deepspeed.make_trainer``) as the launcher builds it: its
     workers' reservation (``worker_bundle``: CPUs, a GPU each, ``learner.role_units`` of the learner role
     resource) and ``learner_strategy`` over the alive ``nodes`` (``ray.nodes()`` when None)."""
-    from osvl.cluster import role_resources
-    from osvl.train.deepspeed import make_trainer, worker_bundle
-
     bundle = worker_bundle(lc.threads_per_worker, lc.use_gpu, lc.role_units)
     return make_trainer(train_fn, loop_config, num_workers=lc.workers, threads_per_worker=lc.threads_per_worker,
                         use_gpu=lc.use_gpu, storage=storage, name="ray_train", keep=1, max_failures=lc.max_failures,
@@ -94,7 +94,7 @@ def rollout_actor_class(cls: type, rc: Any, **options: Any) -> Any:
     (``RolloutConfig.actor_options``: CPUs, GPUs, the ``rollout`` role resource), its interpreter, no
     Ray restart (the launcher's monitor restarts and re-issues slots), and ``SPREAD`` over the nodes
     the learner left (losing one node loses the fewest actors). ``options``: e.g. ``name``."""
-    import ray
+    import ray  # noqa: PLC0415 (d) keeps ray out of jobs/grpo.py --help
 
     return ray.remote(cls).options(scheduling_strategy="SPREAD", max_restarts=0, runtime_env=rc.runtime_env(),
                                    **rc.actor_options(), **options)
@@ -151,8 +151,8 @@ def start_learner(trainer: Any, timeout_s: float = PLACEMENT_TIMEOUT_S, poll_s: 
     ``resources_per_worker``; Ray Train names none. Ray Train retries a group it could not create in its
     own time (60 s) with a new one: any of them counts.
     """
-    import ray
-    from ray.util import placement_group_table
+    import ray  # noqa: PLC0415 (d) keeps ray out of jobs/grpo.py --help
+    from ray.util import placement_group_table  # noqa: PLC0415 (d) keeps ray out of jobs/grpo.py --help
 
     scaling = trainer.scaling_config
     num_workers = int(scaling.num_workers)

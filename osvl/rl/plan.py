@@ -32,11 +32,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
 import yaml
 
 from osvl.agent.engines import vllm_args
 from osvl.cluster import ROLE_RESOURCES
 from osvl.errors import ConfigError
+from osvl.train.deepspeed import worker_bundle
 
 GB = 1024 ** 3
 
@@ -105,8 +107,8 @@ class ModelShape:
 
 def model_shape(config_json: str | Path) -> ModelShape:
     """Counted on the meta device from a checkpoint's ``config.json`` (nothing allocated, nothing downloaded)."""
-    import torch
-    from transformers import AutoConfig, AutoModelForImageTextToText
+    # lazy: (d) keeps transformers out of jobs/grpo.py --help
+    from transformers import AutoConfig, AutoModelForImageTextToText  # noqa: PLC0415
 
     cfg = AutoConfig.from_pretrained(Path(config_json).parent if Path(config_json).is_file() else config_json)
     with torch.device("meta"):
@@ -154,8 +156,6 @@ def learner_tokens(cfg: Any) -> int:
 
 def check(cfg: Any, shape: ModelShape, nodes: list[NodeType], out: Any = print) -> list[str]:
     """Print the plan of GRPO config ``cfg`` on ``nodes``; return the inconsistencies (one line each)."""
-    from osvl.train.deepspeed import worker_bundle
-
     rc, lc, rl = cfg.rollout, cfg.learner, cfg.rl
     problems: list[str] = []
     gpu_nodes = [n for n in nodes if n.gpus]

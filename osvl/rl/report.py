@@ -11,7 +11,10 @@ import dataclasses
 import json
 from typing import Any
 
+from scipy.stats import t as student
+
 from osvl.rl.loss import MODES
+from osvl.rl.trainer import seed_entity
 
 
 def mean_se(xs: list[float]) -> tuple[float, float]:
@@ -29,8 +32,6 @@ def paired_interval(xs: list[float], ys: list[float], level: float = 0.95) -> di
     Pairs share their randomness (a seed's questions and draws), so their difference has a smaller
     spread than either side; with 3 pairs the 95% interval is ±4.3 SE, so small n says little.
     """
-    from scipy.stats import t as student
-
     d = [x - y for x, y in zip(xs, ys, strict=True)]
     m, se = mean_se(d)
     half = float(student.ppf(0.5 + level / 2, len(d) - 1)) * se if len(d) > 1 else float("nan")
@@ -63,8 +64,6 @@ def heldout_report(questions: list[dict[str, Any]], before: dict[str, list[float
     """Held-out Pass@1 after SFT and after GRPO per eval mode, each with its seed-clustered SE, and the paired
     GRPO - SFT difference of agentic Pass@1 with its clustered SE (``better``: above 2 SE); None where a side
     was not scored. ``before``/``after`` map an eval mode to per-question scores in ``questions`` order."""
-    from osvl.rl.trainer import seed_entity
-
     seeds = [seed_entity(q) for q in questions]
     out: dict[str, Any] = {"heldout": len(questions), "heldout_seeds": len(set(seeds))}
     for side, scores in (("sft", before), ("grpo", after)):

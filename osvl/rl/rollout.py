@@ -28,21 +28,31 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import importlib.util
+import os
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+import torch
+
+from osvl import metrics as M
 from osvl import storage
+from osvl.agent import evaluate as core  # core.evaluate_item at each call (tests/test_eval.py spies on it)
 from osvl.agent.engines import EngineKind, VLLMOptions
 from osvl.agent.env import build_env
 from osvl.agent.fatal import MaskStart
-from osvl.agent.loop import AgentConfig
-from osvl.agent.reward import RewardConfig
+from osvl.agent.loop import AgentConfig, run_episode
+from osvl.agent.reward import RewardConfig, score_trajectory
+from osvl.agent.trajectory import png_bytes, question_images
 from osvl.cluster import interpreter_env, role_resources
 from osvl.config import opt
 from osvl.endpoint import EndpointConfig
 from osvl.errors import ConfigError
+from osvl.metrics import ENGINE_WEIGHT_UPDATE
+from osvl.rl.weights import Receiver, digest
 from osvl.tools.outages import OutageConfig
+from osvl.tools.registry import offered_tools
 from osvl.tools.text_search import TextSearchConfig
 
 
@@ -138,10 +148,6 @@ class RolloutWorker:
     def __init__(self, actor_id: str, cfg: RolloutConfig, model_dir: str, questions: list[dict[str, Any]],
                  question_image_dir: str, image_dir: str, buffer: Any, store: Any, group_size: int,
                  mask_at: MaskStart = "cascade", recorder: Any = None) -> None:
-        import torch
-
-        from osvl.tools.registry import offered_tools
-
         torch.set_num_threads(max(1, int(cfg.cpus_per_actor)))
         self.id, self.cfg, self.G, self.mask_at = actor_id, cfg, group_size, mask_at
         self.buffer, self.store = buffer, store
@@ -171,8 +177,6 @@ class RolloutWorker:
     # -- metrics (osvl/metrics.py; skipped when the actor was built without a recorder) ----------
 
     def _record_episode(self, traj: Any) -> None:
-        from osvl import metrics as M
-
         rec = self.rec
         rec.inc(M.ROLLOUT_EPISODES, 1, stop_reason=traj.stop_reason or "unknown")
         rec.observe(M.ROLLOUT_TURNS, len(traj.turns))
@@ -182,8 +186,6 @@ class RolloutWorker:
     def _record_engine(self) -> None:
         """What the engine reports about itself since the last call (the HF engine's prefill tokens and
         decoding steps; engines without those counters export decode tokens only) and the version lag."""
-        from osvl import metrics as M
-
         rec, stats = self.rec, getattr(self.engine, "stats", {})
         delta = {k: stats.get(k, 0) - self._engine_seen.get(k, 0) for k in ("prefill_tokens", "steps", "row_steps")}
         self._engine_seen.update({k: stats.get(k, 0) for k in delta})
@@ -202,9 +204,7 @@ class RolloutWorker:
 
     async def _sync_weights(self) -> None:
         """Background: apply every version sent to this actor (``osvl.rl.weights.Receiver``)."""
-        import ray
-
-        from osvl.rl.weights import Receiver
+        import ray  # noqa: PLC0415 (d) keeps ray out of jobs/grpo.py --help
 
         self.receiver = Receiver(self.store, self.id, ray.get_runtime_context().current_actor, self.engine,
                                  self.cfg.weight_poll_s)
@@ -214,8 +214,6 @@ class RolloutWorker:
             self.stats.weight_updates += 1
             self.stats.weight_sync_s += seconds
             if self.rec is not None:
-                from osvl.metrics import ENGINE_WEIGHT_UPDATE
-
                 self.rec.observe(ENGINE_WEIGHT_UPDATE, seconds)
             self._version_event.set()
             self._version_event = asyncio.Event()
@@ -229,10 +227,6 @@ class RolloutWorker:
     # -- groups ---------------------------------------------------------------
 
     async def _episode(self, work: Any, i: int) -> Any:
-        from osvl.agent.loop import run_episode
-        from osvl.agent.reward import score_trajectory
-        from osvl.agent.trajectory import question_images
-
         row = self.questions[work.question_index]
         images = question_images(self.question_image_dir, row)
         store: dict = {}
@@ -254,8 +248,6 @@ class RolloutWorker:
 
     def _save_images(self, traj: Any, arrays: dict) -> None:
         """Write the episode's images (question + tool-made) once by hash where the learner reads them."""
-        from osvl.agent.trajectory import png_bytes
-
         for sha in traj.images:
             if not (self.image_dir / f"{sha}.png").exists():
                 storage.write_once(self.image_dir / f"{sha}.png", png_bytes(arrays[sha]))
@@ -311,13 +303,9 @@ class RolloutWorker:
         """The actor's counters, and what its engine says of itself: which engine, its interpreter, its counters;
         ``with_digest``: also ``weights_sha256``, the hash of the engine's weights that the last version it
         received names (``osvl.rl.weights.digest``; HF engine only: vLLM renames and fuses them)."""
-        import sys
-
         receiver = getattr(self, "receiver", None)
         extra = {}
         if with_digest and hasattr(self.engine, "model") and receiver is not None:
-            from osvl.rl.weights import digest
-
             params = dict(self.engine.model.named_parameters())
             extra["weights_sha256"] = digest([(k, params[k]) for k in receiver.names])
         return {**extra, "actor": self.id, "version": self.engine.version, "engine": type(self.engine).__name__,
@@ -327,17 +315,11 @@ class RolloutWorker:
                 **self.stats.__dict__}
 
     def pid(self) -> int:
-        import os
-
         return os.getpid()
 
 
 async def _eval_episodes(model_dir: str, questions: list[dict[str, Any]], image_dir: str, cfg: RolloutConfig,
                          concurrency: int, modes: tuple[str, ...] = ("agentic",)) -> dict[str, list[float]]:
-    from osvl.agent.evaluate import evaluate_item
-    from osvl.agent.trajectory import question_images
-    from osvl.tools.registry import offered_tools
-
     # the rollouts' environment with in-process tools and without their outages, latency or judges
     env = build_env(model=model_dir, engine=cfg.engine, max_batch=cfg.max_batch, vllm=cfg.vllm,
                     episode_tokens=cfg.agent.max_episode_tokens, text_search=cfg.text_search)
@@ -347,8 +329,8 @@ async def _eval_episodes(model_dir: str, questions: list[dict[str, Any]], image_
 
     async def one(row: dict[str, Any], mode: str) -> float:
         async with sem:
-            res = await evaluate_item(env.engine, row, question_images(Path(image_dir), row), env.client, mode,
-                                      agent, processor=env.engine.processor, tools=tools)
+            res = await core.evaluate_item(env.engine, row, question_images(Path(image_dir), row), env.client,
+                                           mode, agent, processor=env.engine.processor, tools=tools)
             return float(res.record["correct"])
 
     try:
@@ -371,7 +353,7 @@ def heldout_scores(model_dir: str | Path, questions: list[dict[str, Any]], image
     job scores, and on CPU a task runs one engine thread per CPU it holds, so one task left the other
     cores idle (bench/heldout_eval.py).
     """
-    import ray
+    import ray  # noqa: PLC0415 (d) keeps ray out of jobs/grpo.py --help
 
     def evaluate(model: str, images: str, share: list[dict[str, Any]]) -> dict[str, list[float]]:
         return asyncio.run(_eval_episodes(str(storage.attach(model)), share, str(storage.attach(images)), cfg,

@@ -30,10 +30,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from osvl import storage
+import pyarrow.parquet as pq
+
+from osvl import storage, tracking
+from osvl.cluster import init_ray
 from osvl.config import RunConfig, opt
+from osvl.errors import ConfigError
+from osvl.metrics import ROLLOUT_ACTORS_LIVE, ROLLOUT_RESTARTS, Recorder
+from osvl.rl import checkpoint as ckpt
+from osvl.rl.buffer import TrajectoryBuffer
 from osvl.rl.learner import RLConfig
-from osvl.rl.rollout import RolloutConfig
+from osvl.rl.learner_loop import LoopSettings, train_loop
+from osvl.rl.placement import make_learner, rollout_actor_class, start_learner
+from osvl.rl.rollout import RolloutConfig, RolloutWorker
+from osvl.rl.weights import WeightStore, check_transport
 from osvl.storage import publish
 from osvl.train.rehearsal import Rehearsal
 
@@ -103,8 +113,6 @@ class GRPOParts:
 
 
 def read_questions(path: str | Path) -> list[dict[str, Any]]:
-    import pyarrow.parquet as pq
-
     return pq.read_table(path).to_pylist()
 
 
@@ -149,9 +157,7 @@ class Monitor(threading.Thread):
         self._offset = log_path.stat().st_size if log_path.exists() else 0
 
     def run(self) -> None:
-        import ray
-
-        from osvl.metrics import ROLLOUT_ACTORS_LIVE, ROLLOUT_RESTARTS
+        import ray  # noqa: PLC0415 (d) keeps ray out of jobs/grpo.py --help
 
         while not self.stop.is_set():
             self.rec.set(ROLLOUT_ACTORS_LIVE, len(self.runs))
@@ -191,8 +197,6 @@ class Monitor(threading.Thread):
         """What the learner appended to the step log since ``_offset``. With a remote run root it is read from
         storage: learner rank 0 may run on another node, whose mirror publishes there after every row (and
         this mirror is not written, so a learner on this node keeps its file)."""
-        from osvl import storage
-
         uri = storage.location(self.log_path)
         if storage.is_remote(uri):
             fs, path = storage.open_root(uri)
@@ -212,8 +216,6 @@ def start_cluster(rc: RolloutConfig, lc: LearnerConfig) -> None:
     """Join ``$RAY_ADDRESS`` or start a local cluster sized for the run: what the actors and workers
     reserve, plus one for Ray Train's controller (on a 2-core machine the demo asks for 3 logical
     CPUs: the cores are shared, not oversubscribed by much)."""
-    from osvl.cluster import init_ray
-
     need = int(rc.num_actors * rc.cpus_per_actor + lc.workers * lc.threads_per_worker) + 1
     init_ray(num_cpus=max(need, os.cpu_count() or 1))
 
@@ -228,18 +230,10 @@ def train(parts: GRPOParts, model_dir: str | Path, questions: list[dict[str, Any
     ``actor_prefix``: when set, the buffer and rollout actors are named ``<prefix>buffer``,
     ``<prefix>rollout0``, ... (``ray.get_actor``), for inspection and fault injection.
     """
-    import ray
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+    import ray  # noqa: PLC0415 (d) keeps ray out of jobs/grpo.py --help
 
-    from osvl import tracking
-    from osvl.errors import ConfigError
-    from osvl.metrics import Recorder
-    from osvl.rl import checkpoint as ckpt
-    from osvl.rl.buffer import TrajectoryBuffer
-    from osvl.rl.learner_loop import LoopSettings, train_loop
-    from osvl.rl.placement import make_learner, rollout_actor_class, start_learner
-    from osvl.rl.rollout import RolloutWorker
-    from osvl.rl.weights import WeightStore, check_transport
+    # lazy: (d) keeps ray out of jobs/grpo.py --help
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # noqa: PLC0415
 
     check_transport(parts.learner.weights)
     tracking.check(parts.run.tracking)  # a missing W&B / MLflow fails here, not in the learner's rank 0
@@ -333,7 +327,7 @@ def final_actor_stats(monitor: Monitor, version: int, timeout_s: float) -> list[
     """Every rollout actor's counters at the end of the run, once its engine holds ``version`` (the
     learner's last; its weight sync goes on after its groups are done) or ``timeout_s`` has passed;
     ``alive`` marks the actors that could still answer (a dead one reports what its run returned)."""
-    import ray
+    import ray  # noqa: PLC0415 (d) keeps ray out of jobs/grpo.py --help
 
     live = {n: a for n, a in monitor.actors.items() if _alive(a)}
     deadline = time.monotonic() + timeout_s
@@ -348,7 +342,7 @@ def final_actor_stats(monitor: Monitor, version: int, timeout_s: float) -> list[
 
 
 def _alive(actor: Any) -> bool:
-    import ray
+    import ray  # noqa: PLC0415 (d) keeps ray out of jobs/grpo.py --help
 
     try:
         ray.get(actor.pid.remote(), timeout=5)

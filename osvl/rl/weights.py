@@ -35,15 +35,22 @@ Transports (``learner.weights``):
 from __future__ import annotations
 
 import asyncio
+import datetime
 import hashlib
+import logging
 import math
 import time
 from collections.abc import Iterator
 from typing import Any
 
 import torch
+import torch.distributed as dist
+from torch.multiprocessing.reductions import reduce_tensor
 
+from osvl.cluster import free_port
 from osvl.errors import ConfigError, EngineError
+from osvl.train import device as train_device  # all_reduce looked up at each call: the GPU rehearsal replaces it
+from osvl.train.device import on_group, world
 
 TRANSPORTS = ("collective", "object_store")
 BUCKET_BYTES = 256 * 2**20
@@ -123,10 +130,6 @@ def _collect(part: torch.Tensor, n: int, out: torch.Tensor | None, rank: int) ->
     """A ZeRO-3 parameter of ``n`` elements into ``out`` on rank 0, from every rank's partition ``part``
     (rank r holds elements [r P, r P + P) of the flattened parameter, P = the partition's size, the last
     one padded)."""
-    import torch.distributed as dist
-
-    from osvl.train.device import on_group, world
-
     size = part.ds_numel if hasattr(part, "ds_numel") else part.numel()
     local = part.reshape(-1)
     for r in range(world()):
@@ -187,10 +190,6 @@ class WeightGroup:
         """``host``/``port``: rank 0's store; ``bind``: the address this member's gloo connections use (its
         node's, as Ray knows it; by default gloo picks one from the hostname, which on a multi-homed node
         may be one the others cannot reach)."""
-        import datetime
-
-        import torch.distributed as dist
-
         if backend not in ("nccl", "gloo"):
             raise ConfigError(f"WeightGroup backend must be nccl or gloo, got {backend!r}")
         timeout = datetime.timedelta(seconds=timeout_s)
@@ -211,8 +210,6 @@ class WeightGroup:
 
     def broadcast(self, flat: torch.Tensor) -> torch.Tensor:
         """Rank 0's ``flat`` into every member's (same size and dtype, on this group's device)."""
-        import torch.distributed as dist
-
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
         self.pg.broadcast([flat], opts).wait()
@@ -414,7 +411,7 @@ class Publisher:
     def catch_up(self, model: Any, version: int) -> bool:
         """Put ``version`` into the object store when an actor asked for it (every rank calls this; they act
         on rank 0's answer); whether it did."""
-        import ray
+        import ray  # noqa: PLC0415 (d) keeps ray out of jobs/grpo.py --help
 
         if not self._agree(self.rank == 0 and ray.get(self.store.wants_catchup.remote())):
             return False
@@ -424,19 +421,17 @@ class Publisher:
 
     def _roster(self, model: Any) -> tuple[list[str], torch.dtype]:
         """(Rank 0) the live engines, and (every rank) the dtype they run in, else the training dtype."""
-        import ray
-
-        from osvl.train.device import all_reduce
+        import ray  # noqa: PLC0415 (d) keeps ray out of jobs/grpo.py --help
 
         members, code = [], -1
         if self.rank == 0:
             members, name = ray.get(self.store.roster.remote())
             code = _DTYPES.index(name) if name in _DTYPES else -1
-        code = int(all_reduce(torch.tensor([code]), op="max").item())
+        code = int(train_device.all_reduce(torch.tensor([code]), op="max").item())
         return members, getattr(torch, _DTYPES[code]) if code >= 0 else next(_module(model).parameters()).dtype
 
     def _store(self, model: Any, plan: list[Meta], dtype: torch.dtype, version: int) -> None:
-        import ray
+        import ray  # noqa: PLC0415 (d) keeps ray out of jobs/grpo.py --help
 
         refs = []
         for i, flat in _counted(stream_buckets(model, plan, dtype, self.rank)):
@@ -451,7 +446,7 @@ class Publisher:
     def _broadcast(self, model: Any, plan: list[Meta], dtype: torch.dtype, version: int, members: list[str]) -> bool:
         """One try: (rank 0) the group made current, the version announced and broadcast; every rank
         gathers each bucket. Whether it reached every member."""
-        import ray
+        import ray  # noqa: PLC0415 (d) keeps ray out of jobs/grpo.py --help
 
         ok = True
         if self.rank == 0:
@@ -484,9 +479,7 @@ class Publisher:
     def _ensure_group(self, members: list[str], device: torch.device) -> None:
         """Rank 0: a group of exactly ``members`` (a new epoch when they changed; none without members), on
         ``device``'s backend (the parameters': under DeepSpeed the accelerator's)."""
-        import ray
-
-        from osvl.cluster import free_port
+        import ray  # noqa: PLC0415 (d) keeps ray out of jobs/grpo.py --help
 
         if self.group is not None and members == self.members:
             return
@@ -499,16 +492,12 @@ class Publisher:
         self.group = WeightGroup(host, port, 0, 1 + len(members), backend_for(device), self.timeout_s, bind=host)
 
     def _drop_group(self, why: str) -> None:
-        import logging
-
         logging.getLogger(__name__).warning("weight group of epoch %d dropped (%s); rebuilding", self.epoch, why)
         self.group, self.members = None, []
 
     def _agree(self, flag: bool) -> bool:
         """Rank 0's ``flag`` on every rank (a no-op with one rank)."""
-        from osvl.train.device import all_reduce
-
-        return bool(all_reduce(torch.tensor([1 if (flag and self.rank == 0) else 0]), op="max").item())
+        return bool(train_device.all_reduce(torch.tensor([1 if (flag and self.rank == 0) else 0]), op="max").item())
 
 
 def _counted(buckets: Iterator[torch.Tensor | None]) -> Iterator[tuple[int, torch.Tensor | None]]:
@@ -581,7 +570,7 @@ class Receiver:
         self.group, self.epoch = None, msg["epoch"]
         device = torch.device(getattr(self.engine, "device", "cpu"))
         try:
-            import ray
+            import ray  # noqa: PLC0415 (d) keeps ray out of jobs/grpo.py --help
 
             self.group = await asyncio.to_thread(WeightGroup, msg["host"], msg["port"],
                                                  1 + msg["members"].index(self.id), 1 + len(msg["members"]),
@@ -616,7 +605,7 @@ class Receiver:
                 raise TransportError(f"broadcast of version {msg['version']} broke: {e!r}") from e
 
     def _from_store(self, msg: dict[str, Any]) -> Iterator[dict[str, torch.Tensor]]:
-        import ray
+        import ray  # noqa: PLC0415 (d) keeps ray out of jobs/grpo.py --help
 
         for meta, ref in zip(msg["plan"], msg["refs"], strict=True):
             try:
@@ -630,8 +619,6 @@ class Receiver:
 def cuda_ipc_handles(state_dict: dict) -> dict[str, tuple]:
     """Picklable CUDA IPC handles of ``state_dict``'s GPU tensors: no copy. The caller keeps the tensors
     alive (and unchanged) until the receiver has copied them into its model."""
-    from torch.multiprocessing.reductions import reduce_tensor
-
     handles = {}
     for name, tensor in state_dict.items():
         if not tensor.is_cuda:
@@ -646,8 +633,6 @@ def from_cuda_ipc(handles: dict[str, tuple]) -> dict:
     The handle records the sender's device index; under Ray each worker sees its GPU as index 0 of its
     own ``CUDA_VISIBLE_DEVICES``, so the index is replaced by this process's current device.
     """
-    import torch
-
     out = {}
     for name, (rebuild, args) in handles.items():
         args = list(args)

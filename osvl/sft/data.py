@@ -11,6 +11,11 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from osvl.chat import IM_START
 from osvl.errors import DataError
 
 COLUMNS = ["id", "question_id", "input_ids", "gen_mask", "step_ids", "images", "image_max_pixels"]
@@ -36,10 +41,7 @@ def check_tokenizer(file: Path, model_dir: str) -> None:
     rendering: with the right tokenizer it reads as a ChatML turn (a short garbled prompt can
     still encode back to its ids) and encodes back to the same ids.
     """
-    import pyarrow.parquet as pq
-
-    from osvl.chat import IM_START
-    from osvl.models.load import load_processor
+    from osvl.models.load import load_processor  # noqa: PLC0415 (d) keeps transformers out of jobs/grpo.py --help
 
     first = next(pq.ParquetFile(file).iter_batches(batch_size=1, columns=["id", "input_ids", "gen_mask"]), None)
     if first is None or first.num_rows == 0:
@@ -64,8 +66,6 @@ def is_val(question_id: str, fraction: float) -> bool:
 
 def count_rows(files: list[Path], val_fraction: float) -> tuple[int, int]:
     """(train rows, validation rows), from the question-id column only."""
-    import pyarrow.parquet as pq
-
     n_train = n_val = 0
     for f in files:
         for qid in pq.read_table(f, columns=["question_id"]).column(0).to_pylist():
@@ -83,9 +83,6 @@ def long_rows(files: list[Path], max_len: int) -> tuple[int, int, int]:
     one that scores. The demo once trained on 6 answers in 392 rows this way (max_len 1536, rows of
     ~1,900 tokens) and its policy never answered; the count is logged before training, not after.
     """
-    import pyarrow.compute as pc
-    import pyarrow.parquet as pq
-
     n_long = n = longest = 0
     for f in files:
         lengths = pc.list_value_length(pq.read_table(f, columns=["input_ids"]).column(0))
@@ -108,9 +105,7 @@ def load_split(files: list[Path], val_fraction: float, val: bool):
     them from there. The driver holds one split in memory while it puts it there; a set too big
     for that wants the read tasks back.
     """
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-    import ray.data
+    import ray.data  # noqa: PLC0415 (d) keeps ray out of jobs/grpo.py --help
 
     tables = []
     for f in files:
@@ -122,7 +117,7 @@ def load_split(files: list[Path], val_fraction: float, val: bool):
 
 def global_batches(ds, *, rows: int, drop_last: bool, shuffle_buffer: int = 0, seed: int = 0):
     """Yield lists of ``rows`` records of ``ds``, shuffled by a buffer seeded with ``seed`` (0 rows: in order)."""
-    import ray.data
+    import ray.data  # noqa: PLC0415 (d) keeps ray out of jobs/grpo.py --help
 
     ray.data.DataContext.get_current().enable_progress_bars = False
     kw: dict[str, Any] = {}

@@ -14,7 +14,15 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
+import pyarrow.parquet as pq
+
 from osvl import chat as fmt
+from osvl.agent import evaluate as core  # core.evaluate_item at each call (tests/test_eval.py spies on it)
+from osvl.agent.env import build_env
+from osvl.agent.loop import AgentConfig
+from osvl.agent.trajectory import question_images
+from osvl.tools.base import ToolResult
+from osvl.tools.registry import offered_tools
 
 
 def heldout_path(explicit: str, data_dir: Path) -> Path | None:
@@ -32,22 +40,12 @@ class _NotRun:
     """A tool client for the first-turn check: a call parses, nothing runs."""
 
     async def call(self, name: str, arguments: Any, images: Any = None, new_image_name: str = "") -> Any:
-        from osvl.tools.base import ToolResult
-
         return ToolResult(status="ok", text=f"{name}: not run (first-turn format check)")
 
 
 def first_turns(model_dir: str, heldout: Path, n: int, offer: list[str] | None = None,
                 max_new_tokens: int = 128) -> list[str]:
     """Greedy first assistant turns of the model in ``model_dir`` on ``n`` held-out questions."""
-    import pyarrow.parquet as pq
-
-    from osvl.agent.env import build_env
-    from osvl.agent.evaluate import evaluate_item
-    from osvl.agent.loop import AgentConfig
-    from osvl.agent.trajectory import question_images
-    from osvl.tools.registry import offered_tools
-
     rows = pq.read_table(heldout, columns=["id", "question", "answer", "images"]).to_pylist()[:n]
     tools = offered_tools(list(offer or []))
     agent = AgentConfig(max_turns=1, max_new_tokens=max_new_tokens, max_episode_tokens=32_768, temperature=0.0)
@@ -55,9 +53,9 @@ def first_turns(model_dir: str, heldout: Path, n: int, offer: list[str] | None =
     try:
         async def go() -> list[Any]:
             client = _NotRun()
-            return await asyncio.gather(*(evaluate_item(engine, r, question_images(heldout.parent / "images", r),
-                                                        client, "agentic", agent, processor=engine.processor,
-                                                        tools=tools) for r in rows))
+            return await asyncio.gather(*(core.evaluate_item(engine, r, question_images(heldout.parent / "images", r),
+                                                             client, "agentic", agent, processor=engine.processor,
+                                                             tools=tools) for r in rows))
 
         results = asyncio.run(go())
         return [r.trajectory.turns[0].text if r.trajectory and r.trajectory.turns else "" for r in results]
@@ -67,8 +65,6 @@ def first_turns(model_dir: str, heldout: Path, n: int, offer: list[str] | None =
 
 def format_check(model_dir: str, heldout: Path, n: int, offer: list[str] | None = None) -> float:
     """Share of greedy first turns that ``parse_turn`` accepts, with ``offer`` (empty = every tool) offered."""
-    from osvl.tools.registry import offered_tools
-
     names = [t["function"]["name"] for t in offered_tools(list(offer or []))]
     texts = first_turns(model_dir, heldout, n, offer)
     return sum(fmt.format_score(t, names) for t in texts) / max(1, len(texts))

@@ -37,12 +37,20 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
-from osvl.config import RunConfig, opt
+from osvl.agent.evaluate import OFFER_FILE, trained_tools
+from osvl.agent.release import import_sharegpt
+from osvl.agent.trajectory import write_trajectories
+from osvl.cluster import init_ray
+from osvl.config import REPO_ROOT, RunConfig, input_path, opt, run_dir, to_dict
 from osvl.errors import ConfigError, DataError
-from osvl.models.tiny import TinyKind, checkpoint_name
+from osvl.models.tiny import TinyKind, checkpoint_name, tiny_checkpoint
 from osvl.sft.data import check_tokenizer, count_rows, load_split, long_rows, parquet_files
+from osvl.sft.format_check import format_check, heldout_path
 from osvl.sft.loop import draw_curves, train_loop
+from osvl.storage import location as storage_location
+from osvl.storage import publish
 from osvl.tracking import tracked
+from osvl.train.deepspeed import HF_SUBDIR, make_trainer
 from osvl.train.rehearsal import Rehearsal
 
 logger = logging.getLogger(__name__)
@@ -116,12 +124,8 @@ def student(cfg: SftConfig) -> dict[str, str]:
 def resolve_data(cfg: SftConfig, out: Path, model_dir: str, trajectories: Path | None) -> Path:
     """The trajectory folder to train on: ``data.sharegpt`` imported, ``data.trajectories``, else ``trajectories``
     (the recipe's: ``osvl.recipe.run_sft`` builds or reuses the demo records)."""
-    from osvl.config import REPO_ROOT
-
     if cfg.data.sharegpt:
-        from osvl.agent.release import import_sharegpt
-        from osvl.agent.trajectory import write_trajectories
-        from osvl.models.load import load_processor
+        from osvl.models.load import load_processor  # noqa: PLC0415 (d) keeps transformers out of jobs/grpo.py --help
 
         folder = out / "imported"
         if not (folder / "trajectories.parquet").exists():
@@ -167,13 +171,6 @@ def run(cfg: SftConfig, *, log: Callable[[str], None] = logger.info,
         trajectories: Path | None = None) -> dict[str, Any]:
     """Train on ``data.trajectories`` (else ``trajectories``, given apart so that the run's hash is the config's
     as written), resuming if this run folder has checkpoints; export the HF model, run the format check."""
-    from osvl.cluster import init_ray
-    from osvl.config import input_path, run_dir, to_dict
-    from osvl.models.tiny import tiny_checkpoint
-    from osvl.storage import location as storage_location
-    from osvl.storage import publish
-    from osvl.train.deepspeed import HF_SUBDIR, make_trainer
-
     if cfg.zero_stage not in (2, 3):
         raise ConfigError(f"zero_stage must be 2 or 3, got {cfg.zero_stage}")
     out = run_dir(cfg, JOB)
@@ -218,7 +215,6 @@ def run(cfg: SftConfig, *, log: Callable[[str], None] = logger.info,
     log_file.write_text("".join(json.dumps(lines[k]) + "\n" for k in sorted(lines)))
     log(loss_curve(log_file))
     draw_curves(log_file)
-    from osvl.agent.evaluate import OFFER_FILE, trained_tools
 
     offer = trained_tools(data_dir)  # the policy's prompt showed these tools: evals offer the same
     (model_out / OFFER_FILE).write_text(json.dumps(offer))
@@ -227,8 +223,6 @@ def run(cfg: SftConfig, *, log: Callable[[str], None] = logger.info,
                               "resumed_at": resumed,
                               "final": lines[max(lines)], "config": to_dict(cfg)}
     if cfg.data.n_eval > 0:
-        from osvl.sft.format_check import format_check, heldout_path
-
         held = heldout_path(cfg.data.heldout, data_dir)
         if held is None:
             log("sft: no heldout.parquet found; format check skipped")

@@ -14,9 +14,19 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import torch
+
+from osvl import storage
+from osvl.config import to_dict
 from osvl.errors import DataError
-from osvl.logs import Progress
+from osvl.logs import Progress, setup
+from osvl.metrics import TRAIN_GRAD_NORM, TRAIN_LOSS, TRAIN_LR, TRAIN_TOKENS_PER_S, TRAIN_VAL_LOSS, Recorder
+from osvl.plots import training_curves
 from osvl.sft.data import global_batches
+from osvl.tracking import Tracker
+from osvl.train import device, rehearsal
+from osvl.train.batch import collate, ensure_image, masked_nll, token_logprobs
+from osvl.train.deepspeed import ds_config, hidden_size, init_engine, load_checkpoint, load_trainable, save_checkpoint
 
 if TYPE_CHECKING:
     from osvl.sft.job import SftConfig
@@ -44,8 +54,6 @@ def lr_lambda(total: int, warmup: float, floor: float):
 def build_model(cfg: SftConfig, model_dir: str, ds_cfg: dict):
     """The model to train, built as ``ds_cfg`` runs it (bf16 or fp32; partitioned under ZeRO-3), with
     gradient checkpointing and the frozen vision tower as configured."""
-    from osvl.train.deepspeed import load_trainable
-
     model = load_trainable(model_dir, ds_cfg, grad_checkpointing=cfg.grad_checkpointing)
     if cfg.freeze_vision:
         for p in model.model.visual.parameters():
@@ -56,8 +64,6 @@ def build_model(cfg: SftConfig, model_dir: str, ds_cfg: dict):
 
 def _forward_nll(engine, rows, image_dir, processor, cfg: SftConfig):
     """(NLL sum over gen tokens, gen tokens, tokens, truncated rows, dropped rows) of one micro-batch."""
-    from osvl.train.batch import collate, ensure_image, masked_nll, token_logprobs
-
     batch = collate(rows, image_dir, processor, cfg.max_len, cfg.truncation)
     if batch["input_ids"].shape[0] == 0:
         raise DataError(f"every trajectory of a micro-batch was dropped (max_len={cfg.max_len}); raise max_len")
@@ -73,10 +79,6 @@ def _gen_tokens(rows, max_len: int) -> int:
 
 def validate(engine, ds, image_dir, processor, cfg: SftConfig, rank: int, world: int) -> float:
     """Token-mean NLL over the validation questions; every rank runs the same number of forwards (ZeRO-3)."""
-    import torch
-
-    from osvl.train import device
-
     engine.eval()
     tot = torch.zeros(2, dtype=torch.float64)
     with torch.no_grad():
@@ -92,20 +94,12 @@ def validate(engine, ds, image_dir, processor, cfg: SftConfig, rank: int, world:
 
 def train_loop(config: dict) -> None:
     """One Ray Train worker: DeepSpeed engine, deterministic data stream, checkpoints, metrics."""
-    import ray.train
-    import torch
+    import ray.train  # noqa: PLC0415 (d) keeps ray out of jobs/grpo.py --help
 
-    from osvl.config import to_dict
-    from osvl.logs import setup
-    from osvl.metrics import TRAIN_GRAD_NORM, TRAIN_LOSS, TRAIN_LR, TRAIN_TOKENS_PER_S, TRAIN_VAL_LOSS, Recorder
-    from osvl.models.load import load_processor
-    from osvl.tracking import Tracker
-    from osvl.train import device, rehearsal
-    from osvl.train.deepspeed import ds_config, hidden_size, init_engine, load_checkpoint, save_checkpoint
+    from osvl.models.load import load_processor  # noqa: PLC0415 (d) keeps transformers out of jobs/grpo.py --help
 
     setup()  # a Ray Train worker: its root logger is not configured yet
     cfg: SftConfig = config["cfg"]
-    from osvl import storage
 
     # a location (osvl.storage): this node may hold no copy of the images yet
     train_ds, val_ds, image_dir = config["train_ds"], config["val_ds"], storage.attach(config["image_dir"])
@@ -232,8 +226,5 @@ def train_loop(config: dict) -> None:
 
 def draw_curves(log_file: Path) -> None:
     """``curves.png`` beside the step log, published when the run folder mirrors remote storage."""
-    from osvl import storage
-    from osvl.plots import training_curves
-
     training_curves(log_file, CURVE_PANELS, log_file.parent / CURVES, title=f"SFT {log_file.parent.name}")
     storage.publish(log_file.parent, CURVES)

@@ -30,12 +30,20 @@ from typing import Any, Literal, get_args
 
 import numpy as np
 import pyarrow as pa
+from PIL import Image
 
 from osvl.agent.env import build_env
+from osvl.agent.evaluate import evaluate_item
 from osvl.agent.judge import normalize_answer
+from osvl.agent.loop import AgentConfig
 from osvl.config import opt
 from osvl.endpoint import EndpointConfig
 from osvl.errors import ConfigError
+from osvl.kg.schema import SAMPLE_DIR
+from osvl.logs import setup
+from osvl.models.tiny import tiny_checkpoint
+from osvl.tools.base import ToolContext, call_tool
+from osvl.tools.registry import all_tools
 
 logger = logging.getLogger(__name__)
 
@@ -86,8 +94,8 @@ class NoToolsModel:
     def __init__(self, cfg: DifficultyConfig) -> None:
         self.cfg = cfg
         if cfg.engine == "openai":
-            from osvl.models.load import load_processor
-            from osvl.models.tiny import tiny_checkpoint
+            # lazy: (d) keeps transformers out of jobs/grpo.py --help
+            from osvl.models.load import load_processor  # noqa: PLC0415
 
             self.engine = build_env(chat=cfg.endpoint, lenient=True, transport=None).engine
             self.processor = load_processor(tiny_checkpoint("qwen3_vl"))  # renders the record only
@@ -97,9 +105,6 @@ class NoToolsModel:
 
     async def correct(self, row: dict[str, Any], image: np.ndarray) -> bool:
         """Whether the model answers ``row`` right with no tools (the evaluator's rule judge)."""
-        from osvl.agent.evaluate import evaluate_item
-        from osvl.agent.loop import AgentConfig
-
         agent = AgentConfig(max_turns=1, max_new_tokens=self.cfg.max_new_tokens, max_episode_tokens=32_768,
                             temperature=0.0)
         res = await evaluate_item(self.engine, row, [image], None, "direct", agent, processor=self.processor,
@@ -108,8 +113,6 @@ class NoToolsModel:
 
 
 def _load_rgb(path: Path) -> np.ndarray:
-    from PIL import Image
-
     with Image.open(path) as img:
         return np.asarray(img.convert("RGB"))
 
@@ -122,10 +125,6 @@ def filter_rows(rows: list[dict[str, Any]], cfg: DifficultyConfig, kg_dir: str =
     ``search``: the search backends stage 2 calls (an ``AgentEnv``'s ``search``: the agent's own image search,
     default settings); None builds them here.
     """
-    from osvl.kg.schema import SAMPLE_DIR
-    from osvl.tools.base import ToolContext, call_tool
-    from osvl.tools.registry import all_tools
-
     counts = counts if counts is not None else Counter()
     options = search if search is not None else build_env().search
     kg_images = Path(kg_dir or SAMPLE_DIR) / "images"
@@ -180,8 +179,6 @@ class DifficultyFilter:
     """
 
     def __init__(self, synth_cfg: Any) -> None:
-        from osvl.logs import setup
-
         setup()  # a Ray Data worker: its root logger is not configured yet
         self.cfg: DifficultyConfig = synth_cfg.filter.difficulty
         self.cfg.check()

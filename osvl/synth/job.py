@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from osvl import storage
+from osvl.cluster import init_ray
 from osvl.config import RunConfig, opt, run_dir
 from osvl.endpoint import EndpointConfig
 from osvl.errors import ConfigError
@@ -127,8 +128,6 @@ def validate(cfg: SynthConfig) -> None:
 @tracked(JOB)
 def run(cfg: SynthConfig, *, log: Callable[[str], None] = logger.info) -> tuple[Path, dict[str, Any]]:
     """Synthesize (resuming committed shards), finalize; returns the run folder and the data card."""
-    from osvl.cluster import init_ray
-
     validate(cfg)
     t0 = time.perf_counter()
     out = run_dir(cfg, JOB)

@@ -40,18 +40,21 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import cv2
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from osvl import metrics as M
 from osvl import storage
+from osvl.cluster import role_resources
 from osvl.config import config_hash
 from osvl.errors import ConfigError
 from osvl.logs import Progress
 from osvl.synth.degrade import degrade
 from osvl.synth.invariants import fold, violations
-from osvl.synth.rewrite import llm_rewrite, template_rewrite
+from osvl.synth.rewrite import Draft, llm_rewrite, template_rewrite
 from osvl.synth.walks import SPLITS, Graph, SplitMap, WalkConfig, assign_splits, random_walk
 
 if TYPE_CHECKING:
@@ -123,8 +126,6 @@ class ImageStore:
         return self._put(path.read_bytes(), path.suffix.lower() or ".jpg")
 
     def degraded(self, image: str, kind: str, rng: np.random.Generator) -> tuple[str, dict[str, Any]]:
-        import cv2
-
         if image not in self._decoded:
             bgr = cv2.imread(str(self._source(image)), cv2.IMREAD_COLOR)
             if bgr is None:
@@ -245,8 +246,6 @@ def synthesize_shard(graph: Graph, cfg: SynthConfig, shard: int, seeds: list[int
 
 
 def _draft_of(row: dict[str, Any]) -> Any:
-    from osvl.synth.rewrite import Draft
-
     return Draft(row["question"], row["path"], row["answer_key"], row["answer"], row["answer_aliases"])
 
 
@@ -280,8 +279,6 @@ class ShardWorker:
 
 def record_counts(job: str, run: str, rows: dict[str, int], drops: dict[str, Counter[str]]) -> None:
     """Export rows out of each stage and drops by stage and reason (``osvl_synth_*``, labels osvl_job, run)."""
-    from osvl import metrics as M
-
     rec = M.Recorder(job, run)
     for stage, n in rows.items():
         rec.inc(M.SYNTH_ROWS, n, stage=stage)
@@ -308,7 +305,7 @@ def _apply_filter_stage(cfg: SynthConfig, table: pa.Table) -> pa.Table:
     """Stage 3 slot: run ``filter.stage`` over the candidates with Ray Data; identity when unset."""
     if not cfg.filter.stage or table.num_rows == 0:
         return table
-    import ray
+    import ray  # noqa: PLC0415 (d) keeps ray out of jobs/grpo.py --help
 
     module, _, name = cfg.filter.stage.partition(":")
     try:
@@ -531,9 +528,7 @@ def run_shards(worker: type, kwargs: dict[str, Any], todo: list[int], total: int
     The synthesize and trajectories jobs both shard this way: a worker writes and publishes its shard and
     its "done" marker itself, so a killed job resumes at the first shard without a marker.
     """
-    import ray
-
-    from osvl.cluster import role_resources
+    import ray  # noqa: PLC0415 (d) keeps ray out of jobs/grpo.py --help
 
     ds = ray.data.from_items([{"shard": k} for k in todo], override_num_blocks=len(todo))
     ds = ds.map_batches(worker, fn_constructor_kwargs=kwargs, batch_size=1, num_cpus=1,

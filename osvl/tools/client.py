@@ -39,12 +39,17 @@ import re
 import secrets
 import time
 import warnings
+import weakref
 from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
+from PIL import Image
 
+from osvl import metrics as M
 from osvl.tools.base import MAX_PIXELS, REGISTRY, InvalidCall, Tool, ToolContext, ToolResult, call_tool
+from osvl.tools.cache import ToolCache
+from osvl.tools.registry import all_tools
 
 IMAGE_FORMATS = ("PNG", "JPEG", "WEBP")
 """Formats the HTTP API decodes; fewer decoders, less attack surface."""
@@ -67,7 +72,7 @@ def png_bytes(arr: np.ndarray) -> bytes:
     small as OpenCV's default level-1 PNG (465 KB for a 512x512 photo) at a third of its encoding
     time, and they decode twice as fast; PNG coding, not the tools, was most of an HTTP call's CPU.
     """
-    import cv2
+    import cv2  # noqa: PLC0415 (d) osvl.tools.client imports without cv2 (a test checks)
 
     if not isinstance(arr, np.ndarray) or arr.dtype != np.uint8 or arr.ndim != 3 or arr.shape[2] != 3:
         raise ValueError(f"expected an RGB uint8 array, got {type(arr).__name__} {getattr(arr, 'shape', '')}")
@@ -102,8 +107,6 @@ def image_from_bytes(raw: bytes, max_pixels: int = MAX_PIXELS, name: str = "imag
     a 20,000 x 20,000 PNG of zeros is a few kilobytes on the wire and 1.2 GB in
     memory (a decompression bomb).
     """
-    from PIL import Image
-
     if not raw:
         raise InvalidCall(f"images.{name}: empty image data")
     if raw[:8] == b"\x89PNG\r\n\x1a\n" and raw[12:16] == b"IHDR":
@@ -304,8 +307,8 @@ class InProcessTransport:
 
 def ray_failure(name: str, e: BaseException) -> ToolResult:
     """Type an exception raised by a Serve handle call: infrastructure -> unavailable, else tool_error."""
-    from ray.exceptions import RayActorError, RayTaskError
-    from ray.serve.exceptions import (
+    from ray.exceptions import RayActorError, RayTaskError  # noqa: PLC0415 (d) keeps ray out of jobs/ask.py --help
+    from ray.serve.exceptions import (  # noqa: PLC0415 (d) keeps ray out of jobs/ask.py --help
         BackPressureError,
         DeploymentUnavailableError,
         ReplicaUnavailableError,
@@ -350,15 +353,13 @@ class HandleTransport:
 
     def _handle(self, name: str) -> Any:
         if name not in self._handles:
-            from ray import serve
+            from ray import serve  # noqa: PLC0415 (d) keeps ray out of jobs/ask.py --help
 
             self._handles[name] = serve.get_deployment_handle(DEPLOYMENT_PREFIX + name, app_name=self.app_name)
         return self._handles[name]
 
     def _ref(self, arr: Any) -> Any:
-        import weakref
-
-        import ray
+        import ray  # noqa: PLC0415 (d) keeps ray out of jobs/ask.py --help
 
         if not isinstance(arr, np.ndarray):
             return arr  # the replica's validation answers invalid_call
@@ -409,7 +410,7 @@ class HandleTransport:
                 future.set_result(result)
 
     async def schemas(self) -> list[dict[str, Any]]:
-        from ray import serve
+        from ray import serve  # noqa: PLC0415 (d) keeps ray out of jobs/ask.py --help
 
         return await serve.get_deployment_handle("api", app_name=self.app_name).schemas.remote()
 
@@ -449,7 +450,7 @@ class HttpTransport:
 
     def _sess(self) -> Any:
         if self._session is None:
-            import aiohttp
+            import aiohttp  # noqa: PLC0415 (d) osvl.tools.client imports without aiohttp (a test checks)
 
             self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=self.connections),
                                                   headers=self.headers)
@@ -457,7 +458,7 @@ class HttpTransport:
 
     async def call(self, name: str, arguments: Any, images: Mapping[str, np.ndarray], new_image_name: str,
                    timeout_s: float) -> ToolResult:
-        import aiohttp
+        import aiohttp  # noqa: PLC0415 (d) osvl.tools.client imports without aiohttp (a test checks)
 
         encode = _multipart_body if self.binary else _json_body
         try:
@@ -561,8 +562,6 @@ def make_client(transport: str = "inprocess", *, url: str = "", token: str | Non
     client through ``osvl.agent.env.build_env``."""
     if transport == "inprocess":
         if tools is None:
-            from osvl.tools.registry import all_tools
-
             tools = all_tools()
         return ToolClient(InProcessTransport(tools, options=options), **kwargs)
     if transport == "handle":
@@ -583,14 +582,10 @@ class CachedInProcess:
 
     def __init__(self, mode: str, root: str = "", options: dict[str, Any] | None = None,
                  tools: Mapping[str, Tool] | None = None) -> None:
-        from osvl.tools.cache import ToolCache
-
         self.inner = InProcessTransport(tools, options=options)
         self.cache = ToolCache(root or None, mode=mode)
 
     async def call(self, name: str, arguments: Any, images: Any, new_image_name: str, timeout_s: float) -> Any:
-        from osvl.tools.base import ToolContext, ToolResult
-
         tool = self.inner.tools.get(name)
         if tool is None:
             return ToolResult.fail("invalid_call", f"unknown tool {name!r}; known: {sorted(self.inner.tools)}")
@@ -623,8 +618,6 @@ class MeteredClient:
             await asyncio.sleep(self.delay)
         result = await self.inner.call(name, *args, **kwargs)
         if self.rec is not None:
-            from osvl import metrics as M
-
             self.rec.observe(M.ROLLOUT_TOOL_LATENCY, time.perf_counter() - t0, tool=name)
             self.rec.inc(M.ROLLOUT_TOOL_RESULTS, 1, tool=name, status="ok" if result.ok else result.error.kind)
         return result

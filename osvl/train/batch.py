@@ -25,10 +25,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal, get_args
 
+import numpy as np
 import torch
 
+from osvl.agent.trajectory import load_image, mm_token_type_ids, processor_inputs
 from osvl.chat import IMAGE_PAD, VISION_END, VISION_START
 from osvl.errors import DataError
+from osvl.train import device
 
 Truncation = Literal["drop", "cut"]
 TRUNCATION = get_args(Truncation)
@@ -72,8 +75,6 @@ def collate(trajs: Sequence[Any], image_dir: str | Path, processor, max_len: int
     needs for the M-RoPE positions of image tokens. ``old_logprobs`` is 0 where a record has none
     (teacher/imported records).
     """
-    from osvl.agent.trajectory import load_image, mm_token_type_ids, processor_inputs
-
     if truncation not in TRUNCATION:
         raise DataError(f"truncation must be one of {TRUNCATION}, got {truncation!r}")
     if max_len < 1:
@@ -155,7 +156,6 @@ def token_logprobs(model, batch: dict[str, torch.Tensor], temperature: float = 1
     """
     if temperature <= 0:
         raise DataError(f"temperature must be > 0 for log-probs, got {temperature}")
-    from osvl.train import device
 
     inputs = device.to_model(model_inputs(batch), model)  # pixels in the weights' dtype (bf16 on GPU)
     logits = model(**inputs, use_cache=False).logits[:, :-1].float()
@@ -186,9 +186,6 @@ def ensure_image(batch: dict[str, torch.Tensor], processor) -> dict[str, torch.T
     """
     if "pixel_values" in batch or batch["input_ids"].shape[0] == 0:
         return batch
-    import numpy as np
-
-    from osvl.agent.trajectory import mm_token_type_ids, processor_inputs
 
     v_start, v_pad, v_end = _vision_ids(processor)
     ip = processor.image_processor

@@ -22,12 +22,19 @@ Choices and why:
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import os
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+
+import torch.distributed as dist
+
+from osvl.cluster import free_port, role_resources
+from osvl.storage import train_storage
 
 CHECKPOINT_TAG = "ds"  # one DeepSpeed tag per Ray checkpoint folder: the folder itself is the step
 HF_SUBDIR = "hf"
@@ -74,7 +81,7 @@ def ds_config(stage: int, *, micro_batch: int, grad_accum: int, world_size: int,
 
 def hidden_size(model_dir: str | Path) -> int:
     """The language model's hidden size from the checkpoint's config.json (ZeRO-3's bucket sizes)."""
-    from osvl.models.load import read_config
+    from osvl.models.load import read_config  # noqa: PLC0415 (d) keeps transformers out of jobs/grpo.py --help
 
     cfg = read_config(model_dir)
     return int(cfg.get("text_config", cfg).get("hidden_size", 0))
@@ -95,7 +102,7 @@ def use_venv_ninja() -> None:
 def build_comm_op() -> None:
     """Build (or find built) DeepSpeed's CPU shared-memory comm op with the ninja ``init_engine`` uses:
     ``make setup`` calls this, so no timed test pays the ~60 s JIT build."""
-    from deepspeed.accelerator import get_accelerator
+    from deepspeed.accelerator import get_accelerator  # noqa: PLC0415 (b) deepspeed is not in the vLLM env
 
     use_venv_ninja()
     get_accelerator().create_op_builder("ShareMemCommBuilder").load()
@@ -104,8 +111,7 @@ def build_comm_op() -> None:
 def init_process_group() -> None:
     """The process group DeepSpeed (and ``zero.Init``) runs on: Ray Train's (gloo on CPU, NCCL on GPU) inside
     a Ray Train worker; outside one (a plain script, a test), a one-process group."""
-    import deepspeed
-    import torch.distributed as dist
+    import deepspeed  # noqa: PLC0415 (b) deepspeed is not in the vLLM env
 
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -144,7 +150,8 @@ def _zero3_build(config: dict[str, Any]) -> Iterator[None]:
     12 -> 17 s (every mid-sized activation mapped and faulted in afresh), so on the way out it is fixed at
     the rising threshold's ceiling. On a GPU the layers are device memory; this is the host's share
     (checkpoint reads, CPU runs). ``mallopt`` is glibc's; elsewhere (musl, macOS) nothing changes."""
-    from transformers.integrations.deepspeed import set_hf_deepspeed_config, unset_hf_deepspeed_config
+    # lazy: (d) keeps transformers out of jobs/grpo.py --help
+    from transformers.integrations.deepspeed import set_hf_deepspeed_config, unset_hf_deepspeed_config  # noqa: PLC0415
 
     mallopt = _glibc_mallopt()
     mallopt(_M_MMAP_THRESHOLD, 128 * 1024)  # fixed, which also stops the rise
@@ -162,9 +169,6 @@ _M_MMAP_THRESHOLD = -3
 
 def _glibc_mallopt() -> Callable[[int, int], int]:
     """glibc's ``mallopt``, or a function that does nothing where the C library has none."""
-    import ctypes
-    import ctypes.util
-
     try:
         return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallopt
     except (OSError, AttributeError):
@@ -184,7 +188,7 @@ def load_trainable(model_dir: str | Path, config: dict[str, Any], *, grad_checkp
     keeps one layer's activations instead of every layer's. ``frozen``: no parameter needs a
     gradient (the reference model).
     """
-    from osvl.models.load import load_model
+    from osvl.models.load import load_model  # noqa: PLC0415 (d) keeps transformers out of jobs/grpo.py --help
 
     dtype = "bfloat16" if config.get("bf16", {}).get("enabled") else "float32"
     if config["zero_optimization"]["stage"] == 3:
@@ -229,7 +233,7 @@ def partitioned_copy(model: Any, config: dict[str, Any]) -> Any:
 def init_engine(model, optimizer, lr_scheduler, config: dict[str, Any]):
     """``deepspeed.initialize`` inside a Ray Train worker (the process group already exists); with no
     optimizer (``None``) an inference engine (the partitioned reference model)."""
-    import deepspeed
+    import deepspeed  # noqa: PLC0415 (b) deepspeed is not in the vLLM env
 
     init_process_group()
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=lr_scheduler,
@@ -238,15 +242,11 @@ def init_engine(model, optimizer, lr_scheduler, config: dict[str, Any]):
 
 
 def _free_port() -> int:
-    from osvl.cluster import free_port
-
     return free_port()
 
 
 def hf_state_dict(engine) -> dict | None:
     """The full model state dict on rank 0 (``None`` elsewhere); a collective under ZeRO-3."""
-    import torch.distributed as dist
-
     if engine.zero_optimization_partition_weights():
         return engine._zero3_consolidated_16bit_state_dict()
     if dist.get_rank() != 0:
@@ -256,8 +256,6 @@ def hf_state_dict(engine) -> dict | None:
 
 def save_hf(engine, out: Path, processor=None) -> None:
     """Write a Hugging Face directory (config, safetensors, processor) that ``osvl.models.load`` loads."""
-    import torch.distributed as dist
-
     state = hf_state_dict(engine)
     if dist.get_rank() != 0:
         return
@@ -287,8 +285,6 @@ def worker_bundle(threads_per_worker: int, use_gpu: bool, role_units: float = 0.
                   role: str = "learner") -> dict[str, float]:
     """What each Ray Train worker of ``make_trainer`` reserves: its CPUs, one GPU when ``use_gpu``, and
     ``role_units`` of its role's custom resource (``jobs/grpo.py --check`` prints and checks the same)."""
-    from osvl.cluster import role_resources
-
     return {"CPU": float(threads_per_worker), **({"GPU": 1.0} if use_gpu else {}), **role_resources(role, role_units)}
 
 
@@ -307,10 +303,8 @@ def make_trainer(train_fn: Callable[[dict], None], loop_config: dict, *, num_wor
     ``placement_strategy`` is the Ray placement-group strategy of the workers' bundles (PACK,
     STRICT_PACK, SPREAD).
     """
-    import ray.train
-    from ray.train.torch import TorchConfig, TorchTrainer
-
-    from osvl.storage import train_storage
+    import ray.train  # noqa: PLC0415 (d) keeps ray out of jobs/grpo.py --help
+    from ray.train.torch import TorchConfig, TorchTrainer  # noqa: PLC0415 (d) keeps ray out of jobs/grpo.py --help
 
     storage_path, storage_fs = train_storage(storage)
 

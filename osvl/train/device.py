@@ -18,13 +18,14 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import torch
+import torch.distributed as dist
 
 PLACED = "_osvl_placed"  # attribute set on the tensors placed here (read by osvl/train/rehearsal.py)
 
 
 def group_device() -> torch.device:
     """The device the process group's collectives take tensors on (DeepSpeed's accelerator)."""
-    from deepspeed.accelerator import get_accelerator
+    from deepspeed.accelerator import get_accelerator  # noqa: PLC0415 (b) deepspeed is not in the vLLM env
 
     return torch.device(get_accelerator().current_device_name())
 
@@ -62,16 +63,12 @@ def on_group(t: torch.Tensor) -> torch.Tensor:
 
 def world() -> int:
     """Ranks in the process group (1 without one: tests, a single-process learner)."""
-    import torch.distributed as dist
-
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 def all_reduce(t: torch.Tensor, op: str = "sum") -> torch.Tensor:
     """``t`` reduced over the ranks (``sum`` or ``max``), as a new tensor on the group's device; ``t``
     itself (detached) without a process group."""
-    import torch.distributed as dist
-
     if world() == 1:
         return t.detach()
     out = _mark(t.detach().to(group_device(), copy=True))

@@ -31,6 +31,10 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
+import torch.distributed as dist
+
+from osvl.train import device
+from osvl.train.device import PLACED
 
 Rehearsal = Literal["off", "on", "plant_host_batch", "plant_host_collective"]
 NCCL_REFUSAL = "No backend type associated with device type cpu"
@@ -45,8 +49,6 @@ class OffDevice(RuntimeError):
 
 
 def _placed(t: Any) -> bool:
-    from osvl.train.device import PLACED
-
     return not isinstance(t, torch.Tensor) or t.device.type != "cpu" or getattr(t, PLACED, False)
 
 
@@ -83,14 +85,13 @@ def install(mode: Rehearsal, out_dir: str | Path | None, rank: int) -> None:
     """Turn the rehearsal on in this worker (``mode`` ``off``: nothing); idempotent."""
     if mode == "off":
         return
-    import torch.distributed as dist
 
     _state.update(mode=mode, out=Path(out_dir) if out_dir is not None else None, rank=rank, peaks={})
     for name in COLLECTIVES:
         fn = getattr(dist, name, None)
         if fn is not None and not getattr(fn, "_osvl_rehearsal", False):
             setattr(dist, name, _check_collective(name, fn))
-    from transformers import PreTrainedModel
+    from transformers import PreTrainedModel  # noqa: PLC0415 (d) keeps transformers out of jobs/grpo.py --help
 
     if not getattr(PreTrainedModel.__call__, "_osvl_rehearsal", False):
         PreTrainedModel.__call__ = _checked_call  # every Hugging Face model, DeepSpeed's wrapped module too
@@ -110,17 +111,11 @@ _checked_call._osvl_rehearsal = True  # type: ignore[attr-defined]
 
 def _plant_host_batch() -> None:
     """The batch reaches the model as collate made it (the learner before ``to_model``)."""
-    from osvl.train import device
-
     device.to_model = lambda batch, model: dict(batch)  # type: ignore[assignment]
 
 
 def _plant_host_collective() -> None:
     """A host tensor all-reduced directly (the learner's and SFT's collectives before ``all_reduce``)."""
-    import torch.distributed as dist
-
-    from osvl.train import device
-
     def host_all_reduce(t: torch.Tensor, op: str = "sum") -> torch.Tensor:
         if device.world() == 1:
             return t.detach()

@@ -73,13 +73,13 @@ def make_engine(kind: str, model: str, *, max_batch: int = 32, version: int = 0,
     are vLLM's; ``kw`` goes to the engine's constructor as it is (tests).
     """
     if kind == "hf":
-        from osvl.agent.engines.hf import HFEngine
+        from osvl.agent.engines.hf import HFEngine  # noqa: PLC0415 (d) keeps torch out of jobs/ask.py --help
 
         return HFEngine(model, max_batch=max_batch, version=version, **kw)
     if kind == "vllm":
-        import torch
+        import torch  # noqa: PLC0415 (d) keeps torch out of jobs/ask.py --help
 
-        from osvl.agent.engines.vllm import VLLMEngine
+        from osvl.agent.engines.vllm import VLLMEngine  # noqa: PLC0415 (d) keeps torch out of jobs/ask.py --help
 
         opts = vllm or VLLMOptions()
         if episode_tokens:

@@ -24,14 +24,13 @@ from typing import Any
 import numpy as np
 
 from osvl.agent.engines.base import Sampling
+from osvl.agent.trajectory import png_bytes
 from osvl.chat import IMAGE_TOKENS, STOP_STRINGS, TOOL_RESPONSE_CLOSE, TOOL_RESPONSE_OPEN, system_prompt
 from osvl.endpoint import ChatClient, EndpointConfig
 
 
 def image_data_url(arr: np.ndarray) -> str:
     """RGB uint8 array -> ``data:image/png;base64,...`` (lossless: the teacher sees the student's pixels)."""
-    from osvl.agent.trajectory import png_bytes
-
     return "data:image/png;base64," + base64.b64encode(png_bytes(arr)).decode("ascii")
 
 

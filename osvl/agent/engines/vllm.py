@@ -58,6 +58,8 @@ from typing import Any
 
 import numpy as np
 import torch
+from PIL import Image
+from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
 
 from osvl.agent.engines.base import GenRequest, GenResult, Sampling, resolve_future
 from osvl.errors import ConfigError, DependencyMissingError, EngineError
@@ -221,8 +223,6 @@ class VLLMEngine:
 
     def target_size(self, arr: np.ndarray, max_pixels: int) -> tuple[int, int]:
         """(height, width) the osvl processor resizes ``arr`` to under ``max_pixels`` (see ``processor_inputs``)."""
-        from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
-
         ip = self.processor.image_processor
         return smart_resize(arr.shape[0], arr.shape[1], factor=int(ip.patch_size) * int(ip.merge_size),
                             min_pixels=min(int(ip.size["shortest_edge"]), int(max_pixels)),
@@ -230,8 +230,6 @@ class VLLMEngine:
 
     def vllm_prompt(self, req: GenRequest) -> dict[str, Any]:
         """The request as vLLM takes it: one pad per image run, images pre-resized (module docstring)."""
-        from PIL import Image
-
         if len(req.images) != len(req.image_max_pixels):
             raise EngineError(f"{len(req.images)} images but {len(req.image_max_pixels)} max_pixels values")
         ids: list[int] = []
