@@ -74,12 +74,26 @@ from ray import serve
 
 from osvl.agent.engines import EngineKind
 from osvl.agent.env import build_env
-from osvl.agent.loop import AgentConfig
+from osvl.agent.evaluate import trained_tools
+from osvl.agent.loop import AgentConfig, run_episode
+from osvl.agent.scripted import agent_tools
+from osvl.cluster import init_ray, start_serve
 from osvl.config import from_dict, opt
 from osvl.errors import FetchRefused, InvalidCall, OsvlError
+from osvl.eval.job import resolve_model
 from osvl.tools.client import MAX_PIXELS, decode_image
+from osvl.tools.registry import offered_tools
 from osvl.tools.text_search import TextSearchConfig
-from serve.app import SWALLOW_FACTOR, ToolAPI, check_host, serve_until_interrupted
+from osvl.tools.web import WebConfig, fetch_url
+from serve.app import (
+    SWALLOW_FACTOR,
+    ServeConfig,
+    ToolAPI,
+    check_host,
+    run_unless_running,
+    serve_until_interrupted,
+    service_flags,
+)
 
 AGENT_APP = "osvl_agent"
 _NAME_ONLY = re.compile(r"^\s*img_\d+\s*$")
@@ -153,7 +167,6 @@ async def _image(url: Any, cfg: AgentServeConfig) -> Any:
         if not cfg.fetch_urls:
             raise BadRequest(400, "url_fetch_disabled", "image URLs are not fetched by this service (fetch_urls "
                                                         "is off); send the image as a base64 data URL")
-        from osvl.tools.web import WebConfig, fetch_url
 
         try:
             _, _, body = await fetch_url(url, WebConfig())
@@ -289,15 +302,10 @@ api = FastAPI(title="osvl agent", version="1", description="The osvl agent behin
 @serve.ingress(api)
 class AgentService:
     def __init__(self, cfg: dict[str, Any], model_path: str, token_sha256: str = "") -> None:
-        from osvl.agent.evaluate import trained_tools
-        from osvl.tools.registry import offered_tools
-
         self.cfg = from_dict(AgentServeConfig, cfg)
         self.token_sha256 = token_sha256
         self.tools = offered_tools(self.cfg.offer or trained_tools(model_path))
         if self.cfg.model == "tiny-agent" and not self.cfg.offer:
-            from osvl.agent.scripted import agent_tools
-
             self.tools = [t.schema for t in agent_tools().values()]  # the short schemas it was fine-tuned with
         env = build_env(model=model_path, engine=self.cfg.engine, transport=self.cfg.tools,
                         text_search=self.cfg.text_search, latency_s=self.cfg.tool_latency_s)
@@ -334,8 +342,6 @@ class AgentService:
                                                          "owned_by": "osvl"}]})
 
     def _episode(self, req: ChatRequest, qid: str, on_turn: Any = None) -> Any:
-        from osvl.agent.loop import run_episode
-
         return run_episode(self.engine, {"id": qid, "question": req.question}, req.images, self.client, req.agent,
                            processor=self.engine.processor, tools=self.tools, seed=req.seed, system=req.system,
                            on_turn=on_turn)
@@ -398,8 +404,6 @@ class AgentService:
 
 def make_agent_app(cfg: AgentServeConfig) -> serve.Application:
     """The application for ``cfg``; the checkpoint is resolved (and the tiny agent built) here, in the driver."""
-    from osvl.eval.job import resolve_model
-
     token = os.environ.get(cfg.token_env, "")
     check_host(cfg)
     digest = hashlib.sha256(token.encode()).hexdigest() if token else ""
@@ -410,8 +414,6 @@ def deploy(cfg: AgentServeConfig, tools: Any = None) -> None:
     """Run the agent app on the running Serve instance; with ``tools: handle`` first the tool app (``tools``, a
     ``serve.app.ServeConfig``; default: every tool, searching with ``cfg.text_search``) at ``tools_route_prefix``,
     unless it already runs."""
-    from serve.app import ServeConfig, run_unless_running
-
     if cfg.tools == "handle":
         run_unless_running(tools or ServeConfig(text_search=cfg.text_search), cfg.tools_route_prefix)
     serve.run(make_agent_app(cfg), name=cfg.app_name, route_prefix=cfg.route_prefix)
@@ -419,9 +421,6 @@ def deploy(cfg: AgentServeConfig, tools: Any = None) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     """``python -m serve.agent_app [--port=N] [--<AgentServeConfig field>=value ...]``: serve until Ctrl-C."""
-    from osvl.cluster import init_ray, start_serve
-    from serve.app import service_flags
-
     port, cfg = service_flags(list(sys.argv[1:] if argv is None else argv), AgentServeConfig(), "serve.agent_app")
     check_host(cfg)
     init_ray()

@@ -56,6 +56,9 @@ serve/README.md shows every command.
 
 # no `from __future__ import annotations`: FastAPI must see the real ``Request`` type on the replica
 import asyncio
+import base64
+import ctypes
+import ctypes.util
 import dataclasses
 import functools
 import hashlib
@@ -67,14 +70,25 @@ import sys
 import threading
 import time
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal
 
+import numpy as np
+import ray
 from fastapi import FastAPI, Request
+from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 from ray import serve
+from ray.serve.config import HTTPOptions
+from ray.serve.context import _get_global_client
 
+from osvl import metrics
 from osvl.agent.env import search_backends
-from osvl.config import from_dict, opt
+from osvl.cluster import init_ray, role_resources, start_serve
+from osvl.config import apply_override, dump, format_help, from_dict, load_yaml, merge, normalize_args, opt
+from osvl.errors import ConfigError
+from osvl.logs import setup
+from osvl.metrics import Recorder
 from osvl.tools.base import MAX_PIXELS, InvalidCall, Tool, ToolContext, ToolResult, call_tool
 from osvl.tools.client import (
     DEPLOYMENT_PREFIX,
@@ -91,6 +105,8 @@ from osvl.tools.client import (
     result_to_wire,
 )
 from osvl.tools.image_search import ImageSearchConfig
+from osvl.tools.registry import all_tools
+from osvl.tools.super_resolution import DEFAULT_WEIGHTS, load_model
 from osvl.tools.text_search import TextSearchConfig
 
 APP_NAME = "osvl_tools"
@@ -155,9 +171,6 @@ def keep_freed_memory(mmap_threshold: int = 32 << 20, trim_threshold: int = 256 
     set, which is what a server wants. Returns whether glibc took the settings (False off glibc,
     e.g. macOS, where nothing changes).
     """
-    import ctypes
-    import ctypes.util
-
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
         mallopt = libc.mallopt
@@ -183,7 +196,6 @@ class _ToolReplica:
             self.replica, app = ctx.replica_id.unique_id, ctx.app_name
         except Exception:  # noqa: BLE001 - constructed outside Serve (unit use)
             self.replica, app = "local", "local"
-        from osvl.metrics import Recorder
 
         self.rec = Recorder("serve", app)  # the tool API serves many runs: its run label is the Serve app
         self._lock = threading.Lock()
@@ -199,8 +211,6 @@ class _ToolReplica:
         whole life, so a hit is never stale. The cached arrays are zero-copy views of
         the object store: up to ``REF_CACHE_BYTES`` per replica stay pinned there.
         """
-        import ray
-
         if not isinstance(images, dict) or not any(isinstance(v, ray.ObjectRef) for v in images.values()):
             return images
         out = {}
@@ -230,16 +240,12 @@ class _ToolReplica:
         return list(await asyncio.gather(*[self(*c) for c in calls]))
 
     def _in_flight(self, delta: int) -> None:
-        from osvl import metrics
-
         with self._lock:
             self.in_flight += delta
             self.rec.set(metrics.TOOL_IN_FLIGHT, self.in_flight, tool=self.tool.name, replica=self.replica)
 
     def _run(self, arguments: Any, images: Any, new_image_name: str, options: dict[str, Any] | None = None
              ) -> ToolResult:
-        from osvl import metrics
-
         start = time.perf_counter()
         self._in_flight(1)
         try:
@@ -266,8 +272,6 @@ class ToolDeployment(_ToolReplica):
 
 
 def _load_edsr(options: dict[str, Any]) -> Any:
-    from osvl.tools.super_resolution import DEFAULT_WEIGHTS, load_model
-
     return load_model(options.get("edsr_weights", DEFAULT_WEIGHTS))
 
 
@@ -322,7 +326,7 @@ class _Coalescer:
     def _flush_if_ready(self) -> None:  # holds self._cv
         if self._parties > 0 or not self._waiting:
             return
-        import torch
+        import torch  # noqa: PLC0415 (d) keeps torch out of serve/agent_app.py --help
 
         groups: dict[tuple, list[list[Any]]] = {}
         for slot in self._waiting:
@@ -353,7 +357,6 @@ class BatchedToolDeployment(_ToolReplica):
 
     def __init__(self, tool: Tool, cfg: dict[str, Any]) -> None:
         super().__init__(tool, cfg)
-        from concurrent.futures import ThreadPoolExecutor
 
         self._batch.set_max_batch_size(self.cfg.max_batch_size)
         self._batch.set_batch_wait_timeout_s(self.cfg.batch_wait_timeout_s)
@@ -380,8 +383,6 @@ class BatchedToolDeployment(_ToolReplica):
 
     @serve.batch(max_batch_size=8, batch_wait_timeout_s=0.01)
     async def _batch(self, requests: list[tuple[Any, Any, str]]) -> list[ToolResult]:
-        from osvl import metrics
-
         self.rec.observe(metrics.TOOL_BATCH_SIZE, len(requests), tool=self.tool.name)
         coalescer = None if self._model is None else _Coalescer(self._model, len(requests))
         loop = asyncio.get_running_loop()
@@ -427,10 +428,6 @@ EXAMPLE_ARGUMENTS = {
 
 def _example_image() -> str:
     """A 32x32 gradient as base64 PNG: the image of every example call."""
-    import base64
-
-    import numpy as np
-
     ramp = np.linspace(0, 255, 32)
     img = np.stack([np.add.outer(ramp, ramp) / 2, np.add.outer(ramp, -ramp) / 2 + 128, np.full((32, 32), 90.0)],
                    axis=-1).astype(np.uint8)
@@ -637,8 +634,6 @@ class ToolAPI:
 
     @api.get("/docs")
     async def docs(self, request: Request) -> HTMLResponse:
-        from fastapi.openapi.docs import get_swagger_ui_html
-
         return get_swagger_ui_html(openapi_url=request.scope.get("root_path", "") + "/openapi.json",
                                    title="osvl tool API")
 
@@ -709,8 +704,6 @@ class ToolAPI:
 
 def build_app(args: dict[str, Any]) -> serve.Application:
     """Serve application builder (``import_path: serve.app:build_app``; ``args`` = ServeConfig fields)."""
-    from osvl.tools.registry import all_tools
-
     cfg = from_dict(ServeConfig, dict(args or {}))
     refuse_open_without_token(cfg)
     return make_app(all_tools(), cfg)
@@ -724,8 +717,6 @@ def check_host(cfg: Any) -> None:
     the rule of the agent service and the MCP server, which bind their own host (the tool API's is Serve's:
     ``refuse_open_without_token``)."""
     if cfg.host not in LOOPBACK_HOSTS and not os.environ.get(cfg.token_env):
-        from osvl.errors import ConfigError
-
         raise ConfigError(f"refusing to serve on {cfg.host} without a bearer token: set {cfg.token_env} where the "
                           "app is built, or keep host at 127.0.0.1")
 
@@ -736,19 +727,13 @@ def refuse_open_without_token(cfg: ServeConfig) -> None:
     The host is the running Serve instance's (``serve run``/``serve deploy`` with ``http_options.host``,
     a KubeRay RayService), else the one Serve would start with (``RAY_SERVE_DEFAULT_HTTP_HOST``).
     """
-    import ray
-    from ray.serve.config import HTTPOptions
-
     host = HTTPOptions().host
     if ray.is_initialized():
-        from ray.serve.context import _get_global_client
-
         client = _get_global_client(raise_if_no_controller_running=False)
         if client is not None:
             host = client.http_config.host
     if host in (None, *LOOPBACK_HOSTS) or os.environ.get(cfg.token_env):
         return
-    from osvl.errors import ConfigError
 
     raise ConfigError(f"refusing to serve the tool API on {host} without a bearer token: "
                       f"set {cfg.token_env} where the app is built, or bind http_options.host to 127.0.0.1")
@@ -764,8 +749,6 @@ def make_app(tools: dict[str, Tool], cfg: ServeConfig,
     names = cfg.tools or sorted(tools)
     missing = sorted(set(names) - set(tools))
     if missing:
-        from osvl.errors import ConfigError
-
         raise ConfigError(f"tools {missing} are not registered; known: {sorted(tools)}")
     overrides = dict(deployments or {})
     cfg_dict = dataclasses.asdict(cfg)
@@ -777,13 +760,9 @@ def make_app(tools: dict[str, Tool], cfg: ServeConfig,
                                                                                                   cfg_dict)
     api_options = _placed(ToolAPI, overrides.pop("api", {}), cfg)
     if overrides:
-        from osvl.errors import ConfigError
-
         raise ConfigError(f"options for unknown deployments {sorted(overrides)}")
     both = sorted(set(cfg.inline) & set(cfg.batched))
     if both:
-        from osvl.errors import ConfigError
-
         raise ConfigError(f"tools {both} are both inline and batched: an inline call would skip the batch")
     token = os.environ.get(cfg.token_env, "")
     digest = hashlib.sha256(token.encode()).hexdigest() if token else ""
@@ -797,8 +776,6 @@ def run_unless_running(cfg: ServeConfig | None = None, route_prefix: str = "/too
     services that call the tools through handles (the agent, the MCP server) start it beside themselves."""
     app = serve.status().applications.get(APP_NAME)
     if app is None or str(app.status).rsplit(".", 1)[-1] != "RUNNING":
-        from osvl.tools.registry import all_tools
-
         serve.run(make_app(all_tools(), cfg or ServeConfig()), name=APP_NAME, route_prefix=route_prefix)
 
 
@@ -807,7 +784,6 @@ def _placed(cls: Any, options: dict[str, Any], cfg: ServeConfig) -> dict[str, An
     (the deployment's own, or the ones ``options`` gives, which replace them in Serve)."""
     if cfg.role_units <= 0:
         return options
-    from osvl.cluster import role_resources
 
     actor = dict(options.get("ray_actor_options") or cls.ray_actor_options or {})
     actor["resources"] = {**actor.get("resources", {}), **role_resources("tools", cfg.role_units)}
@@ -821,10 +797,6 @@ def main(argv: list[str] | None = None) -> None:
     ``--config`` reads a Serve config file (its first application's ``args`` and ``deployments``)
     so the laptop run and ``serve run`` use one file; later flags override its args.
     """
-    from osvl.cluster import init_ray, start_serve
-    from osvl.config import load_yaml, merge, normalize_args
-    from osvl.tools.registry import all_tools
-
     argv = normalize_args(list(sys.argv[1:] if argv is None else argv))
     cfg, deployments = ServeConfig(), {}
     for arg in [a for a in argv if a.startswith("--config=")]:  # the file first, then flags override its args
@@ -848,10 +820,6 @@ def service_flags(argv: list[str], cfg: Any, module: str) -> tuple[int, Any]:
     ``--key value``): ``--port=N``, ``--log_level=LEVEL``, ``--help`` (every field with the value this command
     line gives it, then exit), ``--print_config`` (the resolved config, then exit) and ``--<field>=value``
     overrides; sets up logging. Returns (port, 0 = a free one; the config with the overrides)."""
-    from osvl.config import apply_override, dump, format_help, normalize_args
-    from osvl.errors import ConfigError
-    from osvl.logs import setup
-
     port, argv = 0, normalize_args(argv)
     for arg in argv:
         key, _, value = arg.removeprefix("--").partition("=")

@@ -44,17 +44,20 @@ from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
 from typing import Any, Literal
 
 import mcp_types as types
+import uvicorn
 from mcp.server.lowlevel.server import Server
 from starlette.requests import HTTPConnection
 from starlette.responses import JSONResponse
 
 from osvl.agent.env import build_env
+from osvl.cluster import free_port, init_ray, start_serve
 from osvl.config import opt
 from osvl.errors import ConfigError, InvalidCall
 from osvl.tools.base import MAX_PIXELS, Tool, ToolResult
 from osvl.tools.client import ToolClient, decode_image, png_bytes, result_to_wire
+from osvl.tools.registry import all_tools
 from osvl.tools.text_search import TextSearchConfig
-from serve.app import ToolAPI, check_host
+from serve.app import ToolAPI, check_host, run_unless_running, service_flags
 
 MCP_PATH = "/mcp"
 IMAGES_PROPERTY: dict[str, Any] = {
@@ -95,8 +98,6 @@ class McpConfig:
 
 def served_tools(cfg: McpConfig) -> dict[str, Tool]:
     """name -> Tool of the tools ``cfg`` offers, in the registry's order; unknown names are a ``ConfigError``."""
-    from osvl.tools.registry import all_tools
-
     tools = all_tools()
     unknown = sorted(set(cfg.tools) - set(tools))
     if unknown:
@@ -208,9 +209,6 @@ def build_app(cfg: McpConfig) -> AsgiApp:
 
 def _start_tool_app() -> None:
     """transport=handle: join Ray and run the tool API's Serve app unless it runs already (as serve.agent_app)."""
-    from osvl.cluster import init_ray, start_serve
-    from serve.app import run_unless_running
-
     init_ray()
     start_serve()  # a Serve instance on loopback (one already running is kept as it is)
     run_unless_running()
@@ -227,11 +225,6 @@ async def _serve(server: Any, url: str) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     """``python -m serve.mcp_app [--port=N] [--<McpConfig field>=value ...]``: serve until Ctrl-C."""
-    import uvicorn
-
-    from osvl.cluster import free_port
-    from serve.app import service_flags
-
     port, cfg = service_flags(list(sys.argv[1:] if argv is None else argv), McpConfig(), "serve.mcp_app")
     check_host(cfg)
     if cfg.transport == "handle":
