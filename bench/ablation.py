@@ -59,7 +59,18 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from osvl.agent.scripted import question_folder, tiny_agent_checkpoint  # noqa: E402
+from osvl.cluster import init_ray  # noqa: E402
+from osvl.config import parse_args, run_dir, script_flags  # noqa: E402
+from osvl.plots import reward_curves  # noqa: E402
+from osvl.recipe import GRPOJobConfig, grpo_inputs  # noqa: E402
+from osvl.rl.job import JOB  # noqa: E402
+from osvl.rl.report import paired_interval, summarize  # noqa: E402
+from osvl.rl.rollout import heldout_scores  # noqa: E402
+from osvl.rl.trainer import GRPOParts, heldout_questions, read_questions, train  # noqa: E402
 
 MODES = ("vanilla", "hard_mask", "fatal_mask", "fatal_mask_clamp")
 
@@ -75,11 +86,6 @@ def mean_se(xs: list[float]) -> dict[str, float | None]:
 
 def one_run(cfg, mode: str, seed: int, model: Path, qdir: Path, questions: list[dict], heldout: list[dict],
             root: Path) -> dict:
-    from osvl.rl.job import JOB
-    from osvl.rl.report import summarize
-    from osvl.rl.rollout import heldout_scores
-    from osvl.rl.trainer import GRPOParts, train
-
     run = dataclasses.replace(cfg.run, seed=seed)
     rl = dataclasses.replace(cfg.rl, mode=mode)
     parts = GRPOParts(run=run, rl=rl, rollout=cfg.rollout, learner=cfg.learner, train=cfg.train)
@@ -101,22 +107,12 @@ def one_run(cfg, mode: str, seed: int, model: Path, qdir: Path, questions: list[
 
 
 def main() -> None:
-    from osvl.cluster import init_ray
-    from osvl.config import parse_args, run_dir, script_flags
-    from osvl.plots import reward_curves
-    from osvl.recipe import GRPOJobConfig, grpo_inputs
-    from osvl.rl.job import JOB
-    from osvl.rl.rollout import heldout_scores
-    from osvl.rl.trainer import heldout_questions, read_questions
-
     flag, job_args = script_flags(sys.argv[1:], {"steps": 25, "seeds": 3, "modes": ",".join(MODES),
                                                  "outages": 0.0, "scripted": False}, rest=True)
     steps, seeds, modes = flag["steps"], flag["seeds"], flag["modes"].split(",")
     tmp = tempfile.TemporaryDirectory(prefix="osvl-bench-ablation-")
     extra = [f"--train.steps={steps}", "--train.ckpt_every=100000", f"--rollout.outages.rate={flag['outages']}"]
     if flag["scripted"]:
-        from osvl.agent.scripted import question_folder, tiny_agent_checkpoint
-
         qdir = Path(tmp.name) / "questions"
         schemas = question_folder(qdir) / "schemas.json"
         extra += [f"--questions={qdir}", f"--model={tiny_agent_checkpoint()}", "--rollout.offer=crop,text_search",
@@ -178,10 +174,6 @@ def main() -> None:
 
 def versus(runs: list[dict], mode: str, base: str, resamples: int = 2000) -> dict:
     """``mode`` - ``base`` paired by seed (t interval), and Pass@1's question-level bootstrap interval."""
-    import numpy as np
-
-    from osvl.rl.report import paired_interval
-
     by_seed = {r["seed"]: r for r in runs if r["mode"] == base}
     pairs = [(r, by_seed[r["seed"]]) for r in runs if r["mode"] == mode and r["seed"] in by_seed]
     out = {k: paired_interval([a[k] for a, _ in pairs], [b[k] for _, b in pairs]) for k in ("reward_last10", "pass1")}

@@ -68,6 +68,7 @@ import torch  # noqa: E402
 from osvl.agent.fatal import NOT_FATAL, find_fatal, mask_start  # noqa: E402
 from osvl.agent.reward import RewardConfig, score_trajectory  # noqa: E402
 from osvl.agent.trajectory import Trajectory, Turn  # noqa: E402
+from osvl.plots import curve_grid  # noqa: E402
 from osvl.rl.loss import MODES, apply_mode, group_advantages, policy_loss, stats_members, token_mask  # noqa: E402
 from osvl.rl.report import paired_interval  # noqa: E402
 
@@ -308,7 +309,6 @@ def main() -> None:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "runs.json").write_text(json.dumps(results))
-    from osvl.plots import curve_grid
 
     panels = {key: {mode: [r["modes"][mode]["curve"] for r in results
                            if f"{r['regime']}_H{r['H']}" == key] for mode in MODE_NAMES} for key in table}

@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import json
 import multiprocessing as mp
+import random
 import shutil
 import tempfile
 import time
@@ -35,11 +36,21 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import transformers
 
+from bench.learner import episode
 from osvl.agent.engines.base import GenRequest, Sampling
 from osvl.agent.engines.hf import HFEngine
+from osvl.models.load import load_model, load_processor
 from osvl.models.tiny import model_config, tiny_checkpoint, train_tokenizer
+from osvl.rl.learner import Learner, RLConfig, learner_ds_config, make_engine
+from osvl.rl.learner_loop import rank_share, reference_model, rl_batch
+from osvl.rl.plan import learner_gpu_bytes, model_shape
 from osvl.rl.weights import cuda_ipc_handles, from_cuda_ipc
+from osvl.tools.super_resolution import edsr_device, upscale_batch
+from osvl.tools.super_resolution import load_model as load_edsr
+from osvl.train.batch import collate, masked_nll, token_logprobs
+from osvl.train.deepspeed import ds_config, hidden_size, init_engine, init_process_group, load_trainable
 
 # Qwen2.5-0.5B's text shape; mrope_section splits head_dim / 2 = 32 rotary frequencies (t, h, w)
 QWEN_05B_TEXT = {"hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24, "num_attention_heads": 14,
@@ -54,10 +65,8 @@ def say(msg: str) -> None:
 
 
 def edsr() -> dict:
-    from osvl.tools.super_resolution import edsr_device, load_model, upscale_batch
-
     device = edsr_device()
-    model = load_model()
+    model = load_edsr()
     p = next(model.parameters())
     rng = np.random.default_rng(0)
     images = [rng.integers(0, 256, (128, 128, 3), dtype=np.uint8) for _ in range(64)]
@@ -78,8 +87,6 @@ def edsr() -> dict:
 
 def qwen_05b_checkpoint(out: Path) -> Path:
     """A random-init Qwen3-VL with Qwen2.5-0.5B's text shape: the tiny checkpoint's tokenizer and processor."""
-    import transformers
-
     tiny = tiny_checkpoint("qwen3_vl")
     for f in tiny.iterdir():
         if f.suffix != ".safetensors" and f.name != "config.json":
@@ -137,8 +144,6 @@ def _generator(path: str, device: str, conn) -> None:
 
 
 def weight_update(path: Path, kinds: tuple[str, ...] = ("ipc", "cpu")) -> dict:
-    from osvl.models.load import load_model
-
     learner = load_model(path, dtype="bfloat16", device=DEVICE)
     state = {k: v.detach() for k, v in learner.state_dict().items()}
     nbytes = sum(v.numel() * v.element_size() for v in state.values())
@@ -171,11 +176,6 @@ def weight_update(path: Path, kinds: tuple[str, ...] = ("ipc", "cpu")) -> dict:
 
 def _learner(path: Path, cfg, groups) -> tuple[object, object]:
     """A one-rank GRPO learner built as ``osvl.rl.learner_loop.train_loop`` builds it (bf16, ZeRO-3, on GPU)."""
-    from osvl.models.load import load_processor
-    from osvl.rl.learner import Learner, learner_ds_config, make_engine
-    from osvl.rl.learner_loop import rank_share, reference_model, rl_batch
-    from osvl.train.deepspeed import hidden_size, load_trainable
-
     ds = learner_ds_config(cfg, zero_stage=3, world=1, bf16=True, hidden_size=hidden_size(path), on_gpu=True)
     model = load_trainable(path, ds, grad_checkpointing=True)
     ref = reference_model(path, cfg, ds, policy=model)
@@ -187,18 +187,10 @@ def _learner(path: Path, cfg, groups) -> tuple[object, object]:
 def learner_steps(path05b: Path) -> dict:
     """Part 4 (module docstring)."""
     try:
-        import deepspeed  # noqa: F401
+        import deepspeed  # noqa: F401, PLC0415 (a) optional: the GPU machine may lack it
     except ImportError:
         say("learner steps: skipped: deepspeed is not installed here")
         return {}
-    import random
-
-    from bench.learner import episode
-    from osvl.models.load import load_processor
-    from osvl.rl.learner import RLConfig
-    from osvl.rl.plan import learner_gpu_bytes, model_shape
-    from osvl.train.batch import collate, masked_nll, token_logprobs
-    from osvl.train.deepspeed import ds_config, hidden_size, init_engine, init_process_group, load_trainable
 
     init_process_group()  # one rank: NCCL on CUDA (DeepSpeed's choice for the accelerator)
     tiny = tiny_checkpoint("qwen3_vl")

@@ -37,7 +37,18 @@ import threading
 import time
 from pathlib import Path
 
+import psutil
+import ray
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from osvl.agent.loop import AgentConfig  # noqa: E402
+from osvl.agent.scripted import question_folder, tiny_agent_checkpoint  # noqa: E402
+from osvl.cluster import init_ray  # noqa: E402
+from osvl.config import RunConfig, script_flags  # noqa: E402
+from osvl.rl.job import JOB  # noqa: E402
+from osvl.rl.learner import RLConfig  # noqa: E402
+from osvl.rl.rollout import RolloutConfig  # noqa: E402
+from osvl.rl.trainer import GRPOParts, LearnerConfig, TrainConfig, read_questions, train  # noqa: E402
 
 
 class CpuMeter(threading.Thread):
@@ -49,8 +60,6 @@ class CpuMeter(threading.Thread):
         self.stop = threading.Event()
 
     def run(self) -> None:
-        import psutil
-
         me = psutil.Process()
         while not self.stop.is_set():
             total = 0.0
@@ -72,13 +81,6 @@ class CpuMeter(threading.Thread):
 
 def measure(staleness: int, steps: int, model: Path, qdir: Path, questions: list[dict], root: Path,
             schemas: Path, meter: CpuMeter) -> dict:
-    from osvl.agent.loop import AgentConfig
-    from osvl.config import RunConfig
-    from osvl.rl.job import JOB
-    from osvl.rl.learner import RLConfig
-    from osvl.rl.rollout import RolloutConfig
-    from osvl.rl.trainer import GRPOParts, LearnerConfig, TrainConfig, train
-
     parts = GRPOParts(
         run=RunConfig(seed=0), rl=RLConfig(group_size=4, lr=1e-4, beta=0.0, max_len=4096),
         rollout=RolloutConfig(num_actors=1, cpus_per_actor=1, groups_in_flight=4, tool_latency_s=0.2,
@@ -100,13 +102,6 @@ def measure(staleness: int, steps: int, model: Path, qdir: Path, questions: list
 
 
 def main() -> None:
-    import ray
-
-    from osvl.agent.scripted import question_folder, tiny_agent_checkpoint
-    from osvl.cluster import init_ray
-    from osvl.config import script_flags
-    from osvl.rl.trainer import read_questions
-
     steps = script_flags(sys.argv[1:], {"steps": 12})[0]["steps"]
     model = tiny_agent_checkpoint()
     meter = CpuMeter()

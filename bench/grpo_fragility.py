@@ -43,16 +43,24 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+from osvl.agent.env import build_env  # noqa: E402
+from osvl.agent.loop import run_episode  # noqa: E402
+from osvl.agent.reward import score_trajectory  # noqa: E402
+from osvl.agent.trajectory import png_bytes, question_images  # noqa: E402
+from osvl.cluster import init_ray  # noqa: E402
+from osvl.config import parse_args, script_flags  # noqa: E402
+from osvl.models.load import load_model, load_processor  # noqa: E402
+from osvl.recipe import GRPOJobConfig, grpo_inputs  # noqa: E402
+from osvl.rl.job import JOB  # noqa: E402
+from osvl.rl.learner import Learner, forward_logprobs, learner_ds_config, make_engine, scored_positions  # noqa: E402
+from osvl.rl.learner_loop import rank_share, reference_model, rl_batch  # noqa: E402
+from osvl.rl.trainer import heldout_questions, read_questions  # noqa: E402
+from osvl.tools.registry import offered_tools  # noqa: E402
+
 
 def episodes(cfg: Any, model: Path, qdir: Path, rl_rows: list[dict], held_rows: list[dict], image_dir: Path,
              seed: int) -> tuple[list[list[Any]], list[Any]]:
     """G sampled episodes per RL row and one greedy episode per held-out row, scored; their images saved."""
-    from osvl.agent.env import build_env
-    from osvl.agent.loop import run_episode
-    from osvl.agent.reward import score_trajectory
-    from osvl.agent.trajectory import png_bytes, question_images
-    from osvl.tools.registry import offered_tools
-
     rc, G = cfg.rollout, cfg.rl.group_size
     image_dir.mkdir(parents=True, exist_ok=True)
 
@@ -89,9 +97,6 @@ def episodes(cfg: Any, model: Path, qdir: Path, rl_rows: list[dict], held_rows: 
 def kept_and_margins(model: torch.nn.Module, trajs: list[Any], image_dir: Path, processor: Any, cfg: Any,
                      temperature: float) -> tuple[list[bool], list[int]]:
     """Per trajectory: whether every generated token is still the argmax, and how many win by < 0.5 logits."""
-    from osvl.rl.learner import forward_logprobs, scored_positions
-    from osvl.rl.learner_loop import rl_batch
-
     kept, close = [], []
     was = model.training
     model.eval()
@@ -111,15 +116,6 @@ def kept_and_margins(model: torch.nn.Module, trajs: list[Any], image_dir: Path, 
 
 
 def main() -> None:
-    from osvl.cluster import init_ray
-    from osvl.config import parse_args, script_flags
-    from osvl.models.load import load_model, load_processor
-    from osvl.recipe import GRPOJobConfig, grpo_inputs
-    from osvl.rl.job import JOB
-    from osvl.rl.learner import Learner, learner_ds_config, make_engine
-    from osvl.rl.learner_loop import rank_share, reference_model, rl_batch
-    from osvl.rl.trainer import heldout_questions, read_questions
-
     flag, job_args = script_flags(sys.argv[1:], {"groups": 64, "steps": 20, "every": 5}, rest=True)
     n_groups, steps, every = flag["groups"], flag["steps"], flag["every"]
     cfg = parse_args(GRPOJobConfig, JOB, job_args)

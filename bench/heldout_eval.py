@@ -24,18 +24,17 @@ import tempfile
 import time
 from pathlib import Path
 
+import pyarrow.parquet as pq
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from osvl.agent.loop import AgentConfig  # noqa: E402
+from osvl.agent.scripted import question_folder, tiny_agent_checkpoint  # noqa: E402
+from osvl.cluster import init_ray  # noqa: E402
+from osvl.config import script_flags  # noqa: E402
+from osvl.rl.rollout import RolloutConfig, heldout_scores  # noqa: E402
 
 
 def main() -> None:
-    import pyarrow.parquet as pq
-
-    from osvl.agent.loop import AgentConfig
-    from osvl.agent.scripted import question_folder, tiny_agent_checkpoint
-    from osvl.cluster import init_ray
-    from osvl.config import script_flags
-    from osvl.rl.rollout import RolloutConfig, heldout_scores
-
     flag, _ = script_flags(sys.argv[1:], {"repeat": 24, "workers": 2})
     model = tiny_agent_checkpoint()
     init_ray(num_cpus=flag["workers"])

@@ -32,17 +32,16 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from osvl.config import script_flags  # noqa: E402
+from osvl.models.load import load_model, load_processor  # noqa: E402
+from osvl.models.pretrain import FIRST_ORDINARY, copy_row, copy_score, copy_train, tie_and_scale  # noqa: E402
+from osvl.models.tiny import tiny_checkpoint  # noqa: E402
 
 
 def main() -> None:
-    import torch
-
-    from osvl.config import script_flags
-    from osvl.models.load import load_model, load_processor
-    from osvl.models.pretrain import FIRST_ORDINARY, copy_row, copy_score, copy_train, tie_and_scale
-    from osvl.models.tiny import tiny_checkpoint
-
     flag, _ = script_flags(sys.argv[1:], {"steps": 1500, "vocab": 3700, "batch": 32, "scale": 5.0})
     steps, n_vocab, batch, scale = flag["steps"], flag["vocab"], flag["batch"], flag["scale"]
     torch.set_num_threads(2)

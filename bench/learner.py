@@ -27,7 +27,15 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from osvl.agent.trajectory import Trajectory  # noqa: E402
+from osvl.config import script_flags  # noqa: E402
+from osvl.models.load import load_model, load_processor  # noqa: E402
+from osvl.models.pretrain import FIRST_ORDINARY  # noqa: E402
+from osvl.rl.learner import Learner, RLConfig, forward_logprobs, make_engine  # noqa: E402
+from osvl.rl.learner_loop import rank_share, rl_batch  # noqa: E402
 
 POLICY = Path(__file__).resolve().parents[1] / "osvl" / "models" / "weights" / "tiny_policy"
 
@@ -37,9 +45,6 @@ def episode(rng: random.Random, gid: int, i: int, length: int, reward: float, pr
     """A policy record of about ``length`` random ordinary tokens: a ``prompt``-token prompt, then turns of
     ``turn_len`` generated tokens each followed by a ``tool``-token tool answer (by default the demo
     episodes' shape, not their text)."""
-    from osvl.agent.trajectory import Trajectory
-    from osvl.models.pretrain import FIRST_ORDINARY
-
     ids, gen, step = [rng.randrange(FIRST_ORDINARY, 3900) for _ in range(prompt)], [0] * prompt, [-1] * prompt
     turn = 0
     while len(ids) < length:
@@ -54,13 +59,6 @@ def episode(rng: random.Random, gid: int, i: int, length: int, reward: float, pr
 
 
 def main() -> None:
-    import torch
-
-    from osvl.config import script_flags
-    from osvl.models.load import load_model, load_processor
-    from osvl.rl.learner import Learner, RLConfig, forward_logprobs, make_engine
-    from osvl.rl.learner_loop import rank_share, rl_batch
-
     flag, _ = script_flags(sys.argv[1:], {"groups": 8, "group_size": 4, "micro_tokens": 16384, "repeats": 2})
     n_groups, size, micro, repeats = flag["groups"], flag["group_size"], flag["micro_tokens"], flag["repeats"]
     torch.set_num_threads(2)

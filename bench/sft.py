@@ -22,6 +22,8 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
+import ray
+from skimage.data import astronaut
 
 from osvl import chat as fmt
 from osvl.agent.trajectory import TrajectoryBuilder, write_trajectories
@@ -34,8 +36,6 @@ from osvl.tools.registry import all_tools
 
 def make_data(out: Path, rows: int) -> None:
     """``rows`` trajectories of about 2,000 tokens with one photo each."""
-    from skimage.data import astronaut
-
     processor = load_processor(tiny_checkpoint("qwen3_vl"))
     tools = [t.schema for t in all_tools().values()]
     photo = np.ascontiguousarray(astronaut())
@@ -86,7 +86,6 @@ def main() -> None:
             runs[f"{workers}x{threads}"] = measure(data, Path(tmp) / f"w{workers}t{threads}", workers, threads,
                                                    args.steps)
             print(json.dumps(runs[f"{workers}x{threads}"]), flush=True)
-    import ray
 
     ray.shutdown()  # no worker log line may arrive after the headline
     rate = {k: r["tokens_per_s"] for k, r in runs.items()}

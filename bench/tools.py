@@ -40,11 +40,31 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import cv2
 import numpy as np
+from PIL import Image, ImageDraw, ImageFont
+from ray import serve
+from skimage import data as skimage_data
+from starlette.requests import Request
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from osvl.tools.client import HandleTransport, HttpTransport, InProcessTransport, ToolClient  # noqa: E402
+from osvl.agent.env import search_backends  # noqa: E402
+from osvl.cluster import init_ray, start_serve  # noqa: E402
+from osvl.tools.base import ToolContext, call_tool  # noqa: E402
+from osvl.tools.client import (  # noqa: E402
+    HandleTransport,
+    HttpTransport,
+    InProcessTransport,
+    ToolClient,
+    decode_image,
+    result_to_wire,
+)
+from osvl.tools.image_search import ImageSearchConfig  # noqa: E402
+from osvl.tools.registry import all_tools  # noqa: E402
+from osvl.tools.super_resolution import DEFAULT_WEIGHTS, build_model, save_checkpoint  # noqa: E402
+from osvl.tools.text_search import TextSearchConfig  # noqa: E402
+from serve.app import BackendOptions, ServeConfig, make_app  # noqa: E402
 
 if TYPE_CHECKING:
     from serve.app import BackendOptions
@@ -56,18 +76,12 @@ def plain_tool_app(tools: dict[str, Any], options: dict[str, Any], replicas: int
     ``POST .../<tool>`` with ``{"arguments": ..., "images": {name: base64 PNG}}``; the reply is the
     tool result with new images as base64 PNG (the shape osvl's JSON client reads).
     """
-    from ray import serve
-    from starlette.requests import Request
-
     @serve.deployment(num_replicas=replicas, max_ongoing_requests=8, ray_actor_options={"num_cpus": 0.1})
     class PlainToolApp:
         def __init__(self, tools: dict[str, Any], options: dict[str, Any]) -> None:
             self.tools, self.options = tools, options
 
         async def __call__(self, request: Request) -> dict[str, Any]:
-            from osvl.tools.base import ToolContext, call_tool
-            from osvl.tools.client import decode_image, result_to_wire
-
             body = await request.json()
             tool = self.tools[request.url.path.rsplit("/", 1)[-1]]
 
@@ -81,16 +95,11 @@ def plain_tool_app(tools: dict[str, Any], options: dict[str, Any], replicas: int
 
 
 def astronaut() -> np.ndarray:
-    from skimage import data
-
-    return np.ascontiguousarray(data.astronaut())  # 512x512 RGB photo bundled with scikit-image
+    return np.ascontiguousarray(skimage_data.astronaut())  # 512x512 RGB photo bundled with scikit-image
 
 
 def page(size: int = 512) -> np.ndarray:
     """A rendered text page photographed at an angle (for OCR and perspective correction)."""
-    import cv2
-    from PIL import Image, ImageDraw, ImageFont
-
     im = Image.new("RGB", (size, size), "white")
     d = ImageDraw.Draw(im)
     font = ImageFont.load_default(size=20)
@@ -142,9 +151,6 @@ async def throughput(client: ToolClient, tool: str, args: dict, img: np.ndarray,
 
 
 def edsr_options() -> BackendOptions:
-    from osvl.tools.super_resolution import DEFAULT_WEIGHTS, build_model, save_checkpoint
-    from serve.app import BackendOptions
-
     if DEFAULT_WEIGHTS.is_file():
         return BackendOptions()
     path = Path(tempfile.mkdtemp()) / "edsr_x4_random.pth"
@@ -154,21 +160,12 @@ def edsr_options() -> BackendOptions:
 
 
 def main(argv: list[str]) -> dict[str, Any]:
-    from osvl.agent.env import search_backends
-    from osvl.tools.image_search import ImageSearchConfig
-    from osvl.tools.text_search import TextSearchConfig
-    from serve.app import BackendOptions, ServeConfig, make_app
-
     opts = {"seconds": 3.0, "concurrency": 8, "replicas": 2, "tools": "", "inline": ",".join(ServeConfig().inline)}
     for arg in argv:
         key, _, value = arg.removeprefix("--").partition("=")
         if key not in opts:
             raise SystemExit(f"unknown option --{key}; options: {sorted(opts)}")
         opts[key] = type(opts[key])(value)
-    from ray import serve
-
-    from osvl.cluster import init_ray, start_serve
-    from osvl.tools.registry import all_tools
 
     tools = all_tools()
     rows = [c for c in cases() if c[1] in tools and (not opts["tools"] or c[1] in opts["tools"].split(","))]

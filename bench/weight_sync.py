@@ -39,15 +39,27 @@ The engine's weights after each path are hashed: the bench fails unless all thre
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import statistics
 import sys
 import threading
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
+import deepspeed
+import ray
+import torch
+import torch.distributed as dist
+import transformers
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from osvl.cluster import free_port, init_ray  # noqa: E402
+from osvl.config import script_flags  # noqa: E402
+from osvl.rl.weights import Publisher, Receiver, WeightStore, digest  # noqa: E402
+from osvl.train.deepspeed import ds_config, init_process_group  # noqa: E402
 
 WORLD = 2
 GB = 1e9
@@ -57,8 +69,6 @@ VISION = {"hidden_size": 384, "intermediate_size": 1536, "num_heads": 6, "out_hi
 
 
 def model_config():
-    import transformers
-
     cfg = json.loads((Path(__file__).resolve().parents[1] / "configs/models/qwen3-vl-8b/config.json").read_text())
     cfg["text_config"].update(TEXT)
     cfg["vision_config"].update(VISION)
@@ -92,13 +102,6 @@ class LearnerRank:
     """One learner rank: the model partitioned under ZeRO-3 in a DeepSpeed engine (no optimiser)."""
 
     def __init__(self, rank: int, port: int, store, train_dtype: str) -> None:
-        import deepspeed
-        import torch
-        import torch.distributed as dist
-        import transformers
-
-        from osvl.train.deepspeed import ds_config, init_process_group
-
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(WORLD),
                           LOCAL_RANK=str(rank))
         torch.set_num_threads(1)
@@ -132,8 +135,6 @@ class LearnerRank:
     def push_old(self, version: int) -> dict:
         """Today's path: the consolidated state dict (a collective), put whole into the object store; rank 0
         returns its reference (``[ref]``) for the engine."""
-        import ray
-
         def go():
             sd = self.engine._zero3_consolidated_16bit_state_dict()
             if self.rank != 0:
@@ -143,8 +144,6 @@ class LearnerRank:
         return self._measured(go)
 
     def push_new(self, version: int, transport: str, bucket_mb: float) -> dict:
-        from osvl.rl.weights import Publisher
-
         if transport not in self.publishers:
             self.publishers[transport] = Publisher(self.store, transport, self.rank,
                                                    bucket_bytes=int(bucket_mb * 2**20), timeout_s=120)
@@ -163,41 +162,27 @@ class Engine:
     weight_dtype, device = "bfloat16", "cpu"
 
     def __init__(self, store, shapes: dict[str, tuple]) -> None:
-        import torch
-
         torch.set_num_threads(1)
         self.store, self.version = store, -1
         self.targets = {k: torch.empty(s, dtype=torch.bfloat16) for k, s in shapes.items()}
 
     def update_weights(self, buckets, version: int) -> None:
-        from collections.abc import Mapping
-
         for bucket in [buckets] if isinstance(buckets, Mapping) else buckets:
             for k, v in bucket.items():
                 self.targets[k].copy_(v)
         self.version = version
 
     async def start(self, name: str) -> None:
-        import asyncio
-
-        import ray
-
-        from osvl.rl.weights import Receiver
-
         self.receiver = Receiver(self.store, name, ray.get_runtime_context().current_actor, self, poll_s=1.0,
                                  timeout_s=120)
         self.task = asyncio.create_task(self.receiver.run(lambda s: None))
 
     async def apply_old(self, ref: list, version: int) -> None:
         """Today's receiving end: fetch the whole state dict, copy (and cast) it in."""
-        import asyncio
-
         sd = await ref[0]
         await asyncio.to_thread(self.update_weights, {k: v for k, v in sd.items() if k in self.targets}, version)
 
     async def at(self, version: int) -> int:
-        import asyncio
-
         while self.version < version:
             if self.task.done():
                 raise RuntimeError(f"receiver stopped: {self.task.exception()!r}")
@@ -205,8 +190,6 @@ class Engine:
         return self.version
 
     def digest(self) -> str:
-        from osvl.rl.weights import digest
-
         return digest(list(self.targets.items()))
 
     def pid(self) -> int:
@@ -214,12 +197,6 @@ class Engine:
 
 
 def main() -> None:
-    import ray
-
-    from osvl.cluster import free_port, init_ray
-    from osvl.config import script_flags
-    from osvl.rl.weights import WeightStore
-
     flag, _ = script_flags(sys.argv[1:], {"versions": 3, "bucket_mb": 256.0, "train_dtype": "float32"})
     t_start = time.perf_counter()
     init_ray(num_cpus=4, include_dashboard=False)
@@ -232,8 +209,6 @@ def main() -> None:
     info = ray.get(ranks[0].info.remote())
     print(f"model: {info['trainable'] / 1e6:.0f}M trainable parameters in {info['tensors']} tensors "
           f"({info['state_dict_tensors']} in the state dict), {4 * info['trainable'] / GB:.2f} GB fp32", flush=True)
-    import torch
-    import transformers
 
     with torch.device("meta"):  # the engine's shapes: no memory
         shapes = {k: tuple(p.shape) for k, p in transformers.Qwen3VLForConditionalGeneration(
