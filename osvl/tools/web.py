@@ -121,8 +121,6 @@ class Guard:
 def _guarded_resolver(guard: Guard) -> Any:
     # lazy: (d) osvl.tools.client imports without aiohttp (a test checks)
     from aiohttp.abc import AbstractResolver  # noqa: PLC0415
-
-    # lazy: (d) osvl.tools.client imports without aiohttp (a test checks)
     from aiohttp.resolver import ThreadedResolver  # noqa: PLC0415
 
     class GuardedResolver(AbstractResolver):
