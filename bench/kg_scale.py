@@ -38,27 +38,14 @@ import multiprocessing
 import os
 import resource
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-import cv2
-import numpy as np
-import pyarrow as pa
-import pyarrow.parquet as pq
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from osvl.cluster import init_ray  # noqa: E402
-from osvl.config import apply_override, script_flags  # noqa: E402
-from osvl.kg.schema import ANCHORS_SCHEMA, ENTITIES_SCHEMA, LINKS_SCHEMA  # noqa: E402
-from osvl.storage import cache_root  # noqa: E402
-from osvl.synth import job  # noqa: E402
-from osvl.synth.job import SynthConfig, run  # noqa: E402
 from osvl.synth.pipeline import ShardWorker  # noqa: E402
-from osvl.synth.walks import Graph  # noqa: E402
 
 CHUNK = 1_000_000
 RELATIONS = ["linked_to"] * 14 + ["country", "author", "genre", "located in", "part of", "material"]
@@ -74,6 +61,13 @@ def pss_kib(pid: int | str = "self") -> int:
 
 def generate(root: Path, n: int, n_links: int, n_seeds: int) -> None:
     """Write a random KG folder of ``n`` entities and ``n_links`` links in chunks (a few hundred MiB at a time)."""
+    import cv2
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from osvl.kg.schema import ANCHORS_SCHEMA, ENTITIES_SCHEMA, LINKS_SCHEMA
+
     tmp = root.with_name(root.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     (tmp / "images").mkdir(parents=True)
@@ -144,6 +138,12 @@ class MeasuredWorker(ShardWorker):
 
 def measure_synthesis(kg: Path, n_seeds: int, num_shards: int) -> dict:
     """Synthesis over ``kg`` with 1 then 2 workers: KG memory of the workers, questions/s, the driver's peak."""
+    from osvl.cluster import init_ray
+    from osvl.config import apply_override
+    from osvl.synth import job
+    from osvl.synth.job import SynthConfig, run
+    from osvl.synth.walks import Graph
+
     t0 = time.perf_counter()
     Graph.load(kg)  # compiles, unless a previous run of this bench did; the runs below only open it
     open_s = time.perf_counter() - t0
@@ -190,6 +190,8 @@ URI_E, URI_P = "http://www.wikidata.org/entity/", "http://www.wikidata.org/prop/
 def write_triples(folder: Path, n: int, gib: float) -> tuple[Path, Path]:
     """Query-Service-style triples over ``n`` items (objects Pareto-skewed onto a few hubs) until the file holds
     ``gib`` GiB, and the label table (``id, label, description, aliases``); kept for reruns."""
+    import numpy as np
+
     triples, labels = folder / "triples.tsv", folder / "labels.tsv"
     if triples.is_file() and labels.is_file():
         return triples, labels
@@ -220,6 +222,8 @@ def write_triples(folder: Path, n: int, gib: float) -> tuple[Path, Path]:
 
 def measure_build(folder: Path, n: int, gib: float) -> dict:
     """``jobs/build_kg.py`` on a ``gib`` GiB triples file in a process of its own: wall time, the driver's peak RSS."""
+    import subprocess
+
     triples, labels = write_triples(folder, n, gib)
     repo = Path(__file__).resolve().parents[1]
     with tempfile.TemporaryDirectory(prefix="osvl-bench-build-") as tmp:
@@ -241,6 +245,9 @@ def measure_build(folder: Path, n: int, gib: float) -> dict:
 
 
 def main() -> None:
+    from osvl.config import script_flags
+    from osvl.storage import cache_root
+
     flag, _ = script_flags(sys.argv[1:], {"entities": 2_000_000, "links": 20_000_000, "seeds": 300, "shards": 8,
                                           "triples_gib": 1.0})
     t0 = time.perf_counter()
