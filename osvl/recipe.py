@@ -74,7 +74,7 @@ class GRPOJobConfig(GRPOConfig):
         demo_profile(expert.TrajConfig, expert.JOB),
         "The expert-trajectories job SFT trains on when `model` is empty (jobs/trajectories.py's demo profile, then "
         "this profile's entries). Set by the recipe, not here: run (this job's), questions (the synthesize run), "
-        "model and tiny_kind (sft's), offer (rollout.offer) and tools.text_search (rollout.text_search): the records "
+        "model and tiny_kind (sft's), offer (rollout.offer) and text_search (rollout.text_search): the records "
         "must show the environment the policy meets in RL.")
     sft: sft.SftConfig = opt(
         demo_profile(sft.SftConfig, sft.JOB),
@@ -108,7 +108,7 @@ def check(cfg: GRPOJobConfig) -> None:
             _given(name, section, default, key, key)
     for key, instead in (("questions", "questions (or the synth section)"), ("model", "sft.model"),
                          ("tiny_kind", "sft.tiny_kind"), ("offer", "rollout.offer"),
-                         ("tools.text_search", "rollout.text_search")):
+                         ("text_search", "rollout.text_search")):
         _given("trajectories", cfg.trajectories, traj, key, instead)
     for key in ("data.trajectories", "data.heldout"):
         _given("sft", cfg.sft, tuned, key, "the trajectories section (or model)")
@@ -126,10 +126,10 @@ def records_config(cfg: GRPOJobConfig, qdir: Path) -> expert.TrajConfig:
     so the records offer ``rollout.offer``; the records' observations must be the ones the rollouts' tools
     return for the same queries, so they search with ``rollout.text_search``; they are rendered with the
     SFT student's tokenizer (``sft.student``)."""
-    tcfg = merge(dataclasses.replace(cfg.trajectories, run=stage_run(cfg.run), questions=str(qdir),
-                                     offer=list(cfg.rollout.offer)), sft.student(cfg.sft))
-    tcfg.tools = dataclasses.replace(tcfg.tools, text_search=dataclasses.replace(cfg.rollout.text_search))
-    return tcfg
+    return merge(dataclasses.replace(cfg.trajectories, run=stage_run(cfg.run), questions=str(qdir),
+                                     offer=list(cfg.rollout.offer),
+                                     text_search=dataclasses.replace(cfg.rollout.text_search)),
+                 sft.student(cfg.sft))
 
 
 def sft_policy(scfg: sft.SftConfig, tdir: Path, qdir: Path | None, log: Log = logger.info) -> Path:

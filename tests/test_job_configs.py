@@ -152,16 +152,16 @@ def test_the_grpo_job_builds_its_records_with_the_rollouts_search_engine(tmp_pat
 
     cfg = parse_args(GRPOJobConfig, JOB, [f"--run.root={tmp_path}"])
     tcfg = records_config(cfg, tmp_path)
-    assert tcfg.tools.text_search == cfg.rollout.text_search and not cfg.rollout.text_search.dense_rerank
+    assert tcfg.text_search == cfg.rollout.text_search and not cfg.rollout.text_search.dense_rerank
     assert tcfg.offer == cfg.rollout.offer == ["image_search", "text_search"] and tcfg.questions == str(tmp_path)
     # the committed base as the profile names it, not this checkout's absolute path: the records' run hash
     # (and so the SFT run's) is the same in every clone and under `ray job submit --working-dir`
     assert tcfg.model == "osvl/models/weights/tiny_policy"
     reranked = parse_args(GRPOJobConfig, JOB, [f"--run.root={tmp_path}", "--rollout.text_search.dense_rerank=true"])
     other = records_config(reranked, tmp_path)
-    assert other.tools.text_search.dense_rerank and config_hash(other) != config_hash(tcfg)
+    assert other.text_search.dense_rerank and config_hash(other) != config_hash(tcfg)
     check(cfg)  # the profile sets no recipe input
-    for flag, instead in [("--trajectories.tools.text_search.dense_rerank=true", "rollout.text_search"),
+    for flag, instead in [("--trajectories.text_search.dense_rerank=true", "rollout.text_search"),
                           ("--trajectories.offer=crop", "rollout.offer"), ("--trajectories.model=x", "sft.model"),
                           ("--sft.data.trajectories=x", "the trajectories section"),
                           ("--synth.run.seed=3", "run.seed")]:

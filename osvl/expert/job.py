@@ -46,9 +46,6 @@ class TeacherOptions:
 
 @dataclass
 class ToolOptions:
-    text_search: TextSearchConfig = opt(
-        TextSearchConfig, "text_search's settings: the search engine the records show, which the policy's rollouts "
-        "and evaluation must use too (the GRPO job passes its rollout.text_search here).")
     cache: CacheMode = opt("replay", "Tool record/replay cache mode (osvl.tools.cache): the rollouts of one question "
                                "run one after another, so the later ones replay the first one's image search.",
                      hashed=False)
@@ -86,6 +83,9 @@ class TrajConfig:
     reward: RewardConfig = opt(RewardConfig, "Answer judge and r_query scorer.")
     judge: EndpointConfig = opt(EndpointConfig, "Endpoint of the LLM answer/process judge (when reward asks).")
     judge_cache: bool = opt(True, "Keep LLM verdicts in <run>/judge_cache.jsonl (reused by reruns).", hashed=False)
+    text_search: TextSearchConfig = opt(
+        TextSearchConfig, "text_search's settings: the search engine the records show, which the policy's rollouts "
+        "and evaluation must use too (the GRPO job passes its rollout.text_search here).")
     tools: ToolOptions = opt(ToolOptions, "Tool-environment settings.")
     shard_size: int = opt(100, "Questions per shard (the unit of resume).")
     workers: int = opt(2, "Ray actors running shards in parallel.", hashed=False)

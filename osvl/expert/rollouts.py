@@ -107,7 +107,7 @@ class ShardWorker:
         cfg = self.cfg
         self.env = build_env(chat=cfg.teacher.endpoint if cfg.teacher.kind == "openai" else None,
                              cache=cfg.tools.cache, cache_root=cfg.tools.cache_dir, timeout_s=120.0,
-                             text_search=cfg.tools.text_search, outages=cfg.tools.outages,
+                             text_search=cfg.text_search, outages=cfg.tools.outages,
                              judge=cfg.judge if cfg.reward.uses_llm() else None,
                              judge_cache=str(self.out / "judge_cache.jsonl") if cfg.judge_cache else "")
         tools = all_tools()
