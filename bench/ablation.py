@@ -120,7 +120,7 @@ def main() -> None:
                   "--rollout.agent.max_episode_tokens=2048", "--rl.group_size=2"]
     cfg = parse_args(GRPOJobConfig, JOB, extra + job_args)
     cfg.rollout.check()
-    init_ray(num_cpus=max(3, int(cfg.rollout.num_actors * cfg.rollout.cpus_per_actor) + 2))
+    init_ray(num_cpus=max(3, int(cfg.rollout.workers * cfg.rollout.cpus_per_worker) + 2))
     qdir, model = grpo_inputs(cfg, log=lambda m: print(m, flush=True))  # built once, reused by every mode and seed
     questions = sorted(read_questions(qdir / "rl.parquet"), key=lambda r: r["id"])
     if cfg.max_questions:

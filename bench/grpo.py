@@ -83,7 +83,7 @@ def measure(staleness: int, steps: int, model: Path, qdir: Path, questions: list
             schemas: Path, meter: CpuMeter) -> dict:
     parts = GRPOParts(
         run=RunConfig(seed=0), rl=RLConfig(group_size=4, lr=1e-4, beta=0.0, max_len=4096),
-        rollout=RolloutConfig(num_actors=1, cpus_per_actor=1, groups_in_flight=4, tool_latency_s=0.2,
+        rollout=RolloutConfig(workers=1, cpus_per_worker=1, groups_in_flight=4, tool_latency_s=0.2,
                               offer=["crop", "text_search"], schemas=str(schemas),
                               agent=AgentConfig(max_turns=4, max_new_tokens=64, max_episode_tokens=4096)),
         learner=LearnerConfig(workers=1, threads_per_worker=1, zero_stage=2),

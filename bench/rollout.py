@@ -1,13 +1,13 @@
 """Rollout throughput: trajectories/s with 1 vs N episodes in flight, under a simulated 200 ms tool latency.
 
-    python bench/rollout.py [--episodes=32] [--inflight=32] [--latency=0.2] [--max_batch=32] [--threads=1]
+    python bench/rollout.py [--episodes=32] [--concurrency=32] [--latency=0.2] [--max_batch=32] [--threads=1]
                            [--temperature=0.5]
 
 One process, one HF token engine (the tiny agent checkpoint of ``osvl.agent.scripted``, which
 calls crop, then text_search, then answers: >= 2 tool calls per episode), the real tools
 in-process, each wrapped in a real ``Tool`` whose function first sleeps ``--latency``
 seconds (what a remote tool service costs). Baseline: the same episodes one at a time. Then
-``--inflight`` episodes at once on one event loop: while some wait on tools, the engine
+``--concurrency`` episodes at once on one event loop: while some wait on tools, the engine
 batches the others' turns into one ``generate``. Both runs sample at ``--temperature`` with the
 same seeds: 0.5, because at 1.0 the tiny agent drifts off its script often enough that the mean
 episode made fewer than 2 tool calls (docs/measurements.md), the workload this benchmark asks for;
@@ -58,13 +58,13 @@ def slow(tool: Tool, latency: float) -> Tool:
     return Tool(tool.name, tool.description, tool.parameters, fn, backend=tool.backend, version=tool.version)
 
 
-async def run(engine: HFEngine, n: int, inflight: int, latency: float, temperature: float, search: object) -> dict:
-    asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(max_workers=max(8, 2 * inflight)))
+async def run(engine: HFEngine, n: int, concurrency: int, latency: float, temperature: float, search: object) -> dict:
+    asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(max_workers=max(8, 2 * concurrency)))
     tools = {name: slow(t, latency) for name, t in scripted.agent_tools().items()}
     schemas = [t.schema for t in tools.values()]
     client = ToolClient(InProcessTransport(tools, options={"text_search": search}))
     cfg = AgentConfig(max_turns=6, max_new_tokens=96, max_episode_tokens=2048, temperature=temperature)
-    gate = asyncio.Semaphore(inflight)
+    gate = asyncio.Semaphore(concurrency)
 
     async def one(i: int):
         q, a = scripted.PLANS[i % len(scripted.PLANS)][:2]
@@ -77,7 +77,7 @@ async def run(engine: HFEngine, n: int, inflight: int, latency: float, temperatu
     trajs = await asyncio.gather(*[one(i) for i in range(n)])
     wall = time.perf_counter() - start
     calls = [sum(t.action == "tool_call" for t in tr.turns) for tr in trajs]
-    return {"inflight": inflight, "episodes": n, "seconds": round(wall, 2), "traj_per_s": round(n / wall, 3),
+    return {"concurrency": concurrency, "episodes": n, "seconds": round(wall, 2), "traj_per_s": round(n / wall, 3),
             "tool_calls_per_episode": round(sum(calls) / n, 2), "min_tool_calls": min(calls),
             "responses": sum(tr.stop_reason == "response" for tr in trajs)}
 
@@ -91,9 +91,10 @@ def engine_figures(before: dict, after: dict) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     args, _ = script_flags(sys.argv[1:] if argv is None else argv,
-                           {"episodes": 32, "inflight": 32, "latency": 0.2, "temperature": 0.5, "threads": 1,
+                           {"episodes": 32, "concurrency": 32, "latency": 0.2, "temperature": 0.5, "threads": 1,
                             "max_batch": 32})
-    episodes, inflight, latency, temperature = args["episodes"], args["inflight"], args["latency"], args["temperature"]
+    episodes, concurrency = args["episodes"], args["concurrency"]
+    latency, temperature = args["latency"], args["temperature"]
     torch.set_num_threads(args["threads"])
     engine = HFEngine(scripted.tiny_agent_checkpoint(), max_batch=args["max_batch"])
     search = text_search.build_text_index(cfg=text_search.TextSearchConfig(dense_rerank=False))
@@ -104,12 +105,12 @@ def main(argv: list[str] | None = None) -> None:
     serial.update(engine_figures(s0, engine.stats))
     print(json.dumps(serial), flush=True)
     s0 = dict(engine.stats)
-    concurrent = asyncio.run(run(engine, episodes, inflight, latency, temperature, search))
+    concurrent = asyncio.run(run(engine, episodes, concurrency, latency, temperature, search))
     concurrent.update(engine_figures(s0, engine.stats))
     print(json.dumps(concurrent), flush=True)
     ratio = concurrent["traj_per_s"] / serial["traj_per_s"]
     print(json.dumps({"serial_traj_per_s": serial["traj_per_s"], "inflight_traj_per_s": concurrent["traj_per_s"],
-                      "inflight": inflight, "latency_s": latency,
+                      "concurrency": concurrency, "latency_s": latency,
                       "tool_calls_per_episode": concurrent["tool_calls_per_episode"],
                       "min_tool_calls": min(serial["min_tool_calls"], concurrent["min_tool_calls"]),
                       "ratio": round(ratio, 2)}), flush=True)

@@ -228,16 +228,18 @@ def _fields(cls: type) -> dict[str, tuple[dataclasses.Field, Any]]:
     return {f.name: (f, hints[f.name]) for f in dataclasses.fields(cls)}
 
 
-# Keys renamed so that one concept has one name in every config (a profile or a command line of an earlier
-# version says what to write instead): a stage's parallel processes are its `workers` (Ray actors that each
-# hold an engine: `num_actors`), the tools a model is offered its `offer`, a warm-up as a share of the steps
-# `warmup_share` (a count: `warmup_steps`).
-RENAMED = {"num_workers": "workers", "tool_names": "offer", "warmup": "warmup_share"}
+# Keys renamed so that one concept has one name in every config: a stage's parallel processes are its `workers`
+# (and what one reserves `cpus_per_worker`), episodes in flight per worker its `concurrency`, the tools a model is
+# offered its `offer`, a warm-up as a share of the steps `warmup_share` (a count: `warmup_steps`). A config class
+# lists its own old names in a class attribute, ``RENAMED: ClassVar[dict[str, str]] = {"old": "new"}``, so that a
+# flag or a profile of an earlier version fails at start with the key to write instead (and an old name of one
+# section says nothing about another's).
 
 
-def _unknown(key: str, name: str, valid: list[str]) -> ConfigError:
-    if RENAMED.get(name) in valid:
-        return ConfigError(f"config key {key!r} was renamed to {key[:len(key) - len(name)] + RENAMED[name]!r}")
+def _unknown(cls: type, key: str, name: str, valid: list[str]) -> ConfigError:
+    new = getattr(cls, "RENAMED", {}).get(name)
+    if new in valid:
+        return ConfigError(f"config key {key!r} was renamed to {key[:len(key) - len(name)] + new!r}")
     close = difflib.get_close_matches(name, valid, n=1)
     hint = f" (did you mean {close[0]!r}?)" if close else ""
     return ConfigError(f"unknown config key {key!r}{hint}; valid keys here: {', '.join(valid)}")
@@ -255,7 +257,7 @@ def from_dict(cls: type[T], data: dict[str, Any], prefix: str = "") -> T:
     kwargs = {}
     for name, value in data.items():
         if name not in fields:
-            raise _unknown(prefix + str(name), str(name), sorted(fields))
+            raise _unknown(cls, prefix + str(name), str(name), sorted(fields))
         f, tp = fields[name]
         if dataclasses.is_dataclass(tp) and isinstance(value, dict):
             base = f.default_factory() if f.default_factory is not dataclasses.MISSING else tp()
@@ -273,7 +275,7 @@ def merge(cfg: T, data: dict[str, Any], prefix: str = "") -> T:
     changes = {}
     for name, value in data.items():
         if name not in fields:
-            raise _unknown(prefix + str(name), str(name), sorted(fields))
+            raise _unknown(type(cfg), prefix + str(name), str(name), sorted(fields))
         _, tp = fields[name]
         if dataclasses.is_dataclass(tp) and isinstance(value, dict):
             changes[name] = merge(getattr(cfg, name), value, prefix=prefix + name + ".")
@@ -300,7 +302,7 @@ def parse_value(cls: type, dotted: str, text: str, prefix: str = "") -> Any:
             raise ConfigError(f"{prefix}{'.'.join(parts[:i])} is not a section; cannot set {prefix + dotted!r}")
         fields = _fields(tp)
         if part not in fields:
-            raise _unknown(prefix + dotted, part, sorted(fields))
+            raise _unknown(tp, prefix + dotted, part, sorted(fields))
         tp = fields[part][1]
     value = _from_text(text, tp, prefix + dotted)
     # a section given as JSON stays a mapping, which merges into the section instead of replacing it

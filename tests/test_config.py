@@ -620,8 +620,8 @@ def test_script_flags_types_them_and_refuses_strays():
 
 
 def test_a_renamed_key_says_what_it_was_renamed_to(tmp_path):
-    """One name per concept across the configs (osvl.config.RENAMED): a flag or a profile of an earlier version
-    fails at start with the key to write instead, not a guess from the close matches."""
+    """One name per concept across the configs (each config class's RENAMED): a flag or a profile of an earlier
+    version fails at start with the key to write instead, not a guess from the close matches."""
     from osvl.recipe import GRPOJobConfig
     from osvl.sft.job import SftConfig
 
@@ -639,3 +639,20 @@ def test_a_renamed_key_says_what_it_was_renamed_to(tmp_path):
     with pytest.raises(ConfigError, match=r"'tool_names' was renamed to 'offer'"):
         parse_args(AskConfig, JOB, ["--tool_names=crop"])
     assert parse_args(AskConfig, JOB, []).offer == ["crop", "text_search"]  # the ask profile's
+    # rollout and evaluation actors are workers too, episodes in flight a worker's concurrency
+    old.write_text("rollout:\n  num_actors: 2\n")
+    with pytest.raises(ConfigError, match=r"'rollout.num_actors' was renamed to 'rollout.workers'"):
+        parse_args(GRPOJobConfig, "grpo", [f"--profile={old}"])
+    with pytest.raises(ConfigError, match=r"'rollout.cpus_per_actor' was renamed to 'rollout.cpus_per_worker'"):
+        parse_args(GRPOJobConfig, "grpo", ["--rollout.cpus_per_actor=2"])
+    with pytest.raises(ConfigError, match=r"'synth.filter.concurrency' was renamed to 'synth.filter.workers'"):
+        parse_args(GRPOJobConfig, "grpo", ["--synth.filter.concurrency=2"])
+    from osvl.eval.job import EvalConfig
+
+    with pytest.raises(ConfigError, match=r"^config key 'inflight' was renamed to 'concurrency'$"):
+        parse_args(EvalConfig, "eval", ["--inflight=4"])
+    assert parse_args(EvalConfig, "eval", ["--workers=2", "--concurrency=4"]).concurrency == 4
+    # an old name is its own section's: `concurrency` is no old name of the SFT job's keys
+    with pytest.raises(ConfigError, match=r"unknown config key 'concurrency'") as err:
+        parse_args(SftConfig, "sft", ["--concurrency=2"])
+    assert "renamed" not in str(err.value)

@@ -25,7 +25,7 @@ from osvl.kg.schema import SAMPLE_DIR
 REPO = Path(__file__).resolve().parents[1]
 EIFFEL = SAMPLE_DIR / "images" / "categorization_monuments_eiffeltower.jpg"
 MOON = SAMPLE_DIR / "images" / "skimage_data_moon.jpg"
-QUICK = ["--text_search.dense_rerank=false", "--agent.max_turns=3", "--agent.max_new_tokens=48", "--inflight=8"]
+QUICK = ["--text_search.dense_rerank=false", "--agent.max_turns=3", "--agent.max_new_tokens=48", "--concurrency=8"]
 
 
 @pytest.fixture(scope="module")
@@ -165,8 +165,8 @@ def test_a_killed_eval_resumes_without_redoing_finished_items(tmp_path, question
     bench = questions / "sft.parquet"
     n = 24  # the oracle's tool calls are cached by the tests before: items can finish many a second
     cmd = [sys.executable, str(REPO / "jobs" / "eval.py"), f"--run.root={tmp_path / 'runs'}", f"--benchmarks={bench}",
-           "--modes=agentic", "--model=oracle", f"--max_items={n}", "--text_search.dense_rerank=false", "--inflight=2",
-           "--agent.max_turns=16", "--agent.max_new_tokens=512", "--agent.max_episode_tokens=8192",
+           "--modes=agentic", "--model=oracle", f"--max_items={n}", "--text_search.dense_rerank=false",
+           "--concurrency=2", "--agent.max_turns=16", "--agent.max_new_tokens=512", "--agent.max_episode_tokens=8192",
            "--run.name=killed"]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     items = tmp_path / "runs" / "eval" / "killed" / "items.jsonl"
@@ -199,7 +199,7 @@ def test_eval_in_a_terminal_draws_a_progress_bar(tmp_path, questions):
 
     cmd = [sys.executable, str(REPO / "jobs" / "eval.py"), f"--run.root={tmp_path / 'runs'}",
            f"--benchmarks={questions / 'sft.parquet'}", "--modes=agentic", "--model=oracle", "--max_items=4",
-           "--inflight=1", "--text_search.dense_rerank=false", "--agent.max_turns=16", "--agent.max_new_tokens=512",
+           "--concurrency=1", "--text_search.dense_rerank=false", "--agent.max_turns=16", "--agent.max_new_tokens=512",
            "--agent.max_episode_tokens=8192"]
     main, child = pty.openpty()
     fcntl.ioctl(child, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))  # 24x100: a terminal has a size

@@ -51,7 +51,7 @@ def agent_model() -> Path:
     return tiny_agent_checkpoint()
 
 
-ROLLOUT = dict(num_actors=1, cpus_per_actor=1, groups_in_flight=2, offer=["crop", "text_search"],
+ROLLOUT = dict(workers=1, cpus_per_worker=1, groups_in_flight=2, offer=["crop", "text_search"],
                agent=AgentConfig(max_turns=3, max_new_tokens=48, max_episode_tokens=2048))
 
 

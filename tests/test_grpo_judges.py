@@ -79,7 +79,7 @@ def judge_url():
 def _parts(base_url: str, schemas: Path) -> GRPOParts:
     reward = RewardConfig(judge="llm", query_scorer="llm")
     judge = EndpointConfig(base_url=base_url, model="stub-judge", retries=1, backoff_s=0.01, timeout_s=10)
-    rollout = RolloutConfig(num_actors=1, cpus_per_actor=1, groups_in_flight=2, offer=["crop", "text_search"],
+    rollout = RolloutConfig(workers=1, cpus_per_worker=1, groups_in_flight=2, offer=["crop", "text_search"],
                             schemas=str(schemas), reward=reward, judge=judge,
                             agent=AgentConfig(max_turns=3, max_new_tokens=64, max_episode_tokens=2048))
     return GRPOParts(run=RunConfig(seed=1), rl=RLConfig(group_size=2, lr=1e-4, beta=0.0), rollout=rollout,

@@ -303,7 +303,7 @@ def _round(scenario: str, sockets: bool) -> dict:
         trainer = make_learner(probe_loop, {"board": board}, lc, store)
         run = start_learner(trainer, timeout_s=120)
         actors = [rollout_actor_class(Probe, rc, name=f"{scenario}-rollout{i}").remote(i)
-                  for i in range(rc.num_actors)]
+                  for i in range(rc.workers)]
         actor_nodes = {f"rollout{i}": ray.get(a.node.remote(), timeout=60) for i, a in enumerate(actors)}
         deadline = time.monotonic() + 60
         while len(ranks := ray.get(board.get.remote())) < lc.workers and time.monotonic() < deadline:

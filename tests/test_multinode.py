@@ -46,7 +46,7 @@ def grpo_args(root: str) -> list[str]:
             "--trajectories.role_units=1", "--trajectories.n_teacher_rollouts=1", "--sft.max_steps=2",
             "--sft.max_len=1024", "--sft.workers=1", "--sft.data.n_eval=0",
             "--rl.group_size=2", "--rl.max_len=2048", f"--train.steps={STEPS}", "--train.groups_per_step=2",
-            "--train.ckpt_every=1", "--train.max_staleness=0", "--rollout.num_actors=2", "--rollout.num_gpus=0.5",
+            "--train.ckpt_every=1", "--train.max_staleness=0", "--rollout.workers=2", "--rollout.num_gpus=0.5",
             "--rollout.role_units=1", "--rollout.agent.max_turns=2", "--rollout.agent.max_new_tokens=32",
             "--rollout.agent.max_episode_tokens=2048", "--learner.role_units=1", *LEARNERS, "--eval.n_heldout=1",
             "--eval.concurrency=1"]

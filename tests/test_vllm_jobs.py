@@ -73,7 +73,7 @@ def test_grpo_with_vllm_rollouts_in_the_vllm_environment(tmp_path, questions, ag
     model = f"s3://{s3_store['bucket']}/models/agent-{os.getpid()}"
     _upload(agent_model, model)
     args = [f"--run.root={tmp_path}", "--run.name=vllm", f"--questions={questions}", f"--model={model}",
-            "--rollout.engine=vllm", f"--rollout.python={vllm_python}", "--rollout.num_actors=1",
+            "--rollout.engine=vllm", f"--rollout.python={vllm_python}", "--rollout.workers=1",
             "--rollout.max_batch=8", "--rollout.offer=crop,text_search",
             f"--rollout.schemas={questions / 'schemas.json'}",
             "--rollout.agent.max_turns=3", "--rollout.agent.max_new_tokens=48",

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import ClassVar, Literal
 
 import numpy as np
 from PIL import Image
@@ -34,6 +34,8 @@ JOB = "ask"
 
 @dataclass
 class AskConfig:
+    RENAMED: ClassVar[dict[str, str]] = {"tool_names": "offer"}
+
     image: str = opt("", "Image file (PNG/JPEG) the question is about.")
     question: str = opt("", "The question.")
     model: str = opt("tiny-agent", "Checkpoint directory, or 'tiny' / 'tiny-agent' (built and cached locally).")

@@ -29,6 +29,7 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
+from typing import ClassVar
 
 import numpy as np
 import skimage.data
@@ -69,6 +70,8 @@ class DataConfig:
 
 @dataclasses.dataclass
 class TrainEdsrConfig:
+    RENAMED: ClassVar[dict[str, str]] = {"num_workers": "workers"}
+
     run: RunConfig = opt(RunConfig, "Run root and seed.")
     model: ModelConfig = opt(ModelConfig, "Architecture.")
     data: DataConfig = opt(DataConfig, "Training photos.")

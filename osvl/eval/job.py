@@ -2,7 +2,7 @@
 
 The driver loads every benchmark (``osvl.eval.loaders``), skips the (benchmark, mode, id)
 triples already in the run's ``items.jsonl`` (a killed run resumes where it stopped),
-and hands the rest, in chunks, to ``num_actors`` Ray actors. Each actor holds one model
+and hands the rest, in chunks, to ``workers`` Ray actors. Each actor holds one model
 and one tool client and runs a chunk's items concurrently through the per-item core
 (``osvl.agent.evaluate.evaluate_item``), so a token engine batches the turns of the
 episodes that wait for it while the others wait for tools. Every finished chunk is
@@ -32,7 +32,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from osvl import storage
 from osvl.agent import evaluate as core  # core.evaluate_item at each call (tests/test_eval.py spies on it)
@@ -66,6 +66,9 @@ ITEMS = "items.jsonl"
 @dataclass
 class EvalConfig:
     """What to evaluate, how, and where the results go (``<run.root>/eval/<hash>/``)."""
+    RENAMED: ClassVar[dict[str, str]] = {"num_actors": "workers", "cpus_per_actor": "cpus_per_worker",
+                                         "inflight": "concurrency"}
+
 
     run: RunConfig = opt(RunConfig, "Run root and seed.")
     benchmarks: list[str] = opt([], "Benchmark files (JSONL, JSON or Parquet; see osvl/eval/loaders.py).")
@@ -106,9 +109,9 @@ class EvalConfig:
     tool_latency_s: float = opt(0.0, "Simulated extra latency per tool call (benchmarks), seconds.")
     outages: OutageConfig = opt(OutageConfig, "Seeded tool outages (osvl/tools/outages.py), agentic mode: how an "
                                 "agent copes with flaky tools; off by default.")
-    num_actors: int = opt(1, "Ray actors, each with one model and tool client.", hashed=False)
-    cpus_per_actor: float = opt(1.0, "CPUs reserved per actor.", hashed=False)
-    inflight: int = opt(16, "Items each actor runs concurrently.", hashed=False)
+    workers: int = opt(1, "Ray actors, each with one model and tool client.", hashed=False)
+    cpus_per_worker: float = opt(1.0, "CPUs reserved per actor.", hashed=False)
+    concurrency: int = opt(16, "Items each actor runs concurrently.", hashed=False)
     max_batch: int = opt(16, "Most turns a token engine batches into one generate.", hashed=False)
 
 
@@ -128,8 +131,8 @@ def check(cfg: EvalConfig) -> None:
         raise ConfigError(f"judge must be rule or llm, got {cfg.judge!r}")
     if cfg.tools not in ("inprocess", "http"):
         raise ConfigError(f"tools must be inprocess or http, got {cfg.tools!r}")
-    if cfg.inflight < 1 or cfg.num_actors < 1:
-        raise ConfigError("inflight and num_actors must be >= 1")
+    if cfg.concurrency < 1 or cfg.workers < 1:
+        raise ConfigError("concurrency and workers must be >= 1")
     interpreter_env(cfg.python, "python")  # a wrong interpreter fails here
     if cfg.engine == "vllm":
         cfg.vllm.check("vllm", cfg.agent.max_episode_tokens)
@@ -162,7 +165,7 @@ class EvalWorker:
         self.cfg = cfg = from_dict(EvalConfig, cfg)
         # a location (this node's mirror of a remote cache, filled with what other runs recorded)
         self.cache = cache_root = str(storage.attach(cache_root))
-        torch.set_num_threads(max(1, int(cfg.cpus_per_actor)))
+        torch.set_num_threads(max(1, int(cfg.cpus_per_worker)))
         model = cfg.model
         chat = model == "oracle" or model.startswith("openai:")  # the oracle is bound to one question: no engine
         offer = cfg.offer if chat else cfg.offer or trained_tools(model_path)
@@ -204,8 +207,8 @@ class EvalWorker:
         return res.record
 
     async def run(self, chunk: list[tuple[str, str, dict[str, Any]]]) -> list[dict[str, Any]]:
-        """Score ``chunk`` ((benchmark, mode, item) triples), ``inflight`` at a time."""
-        sem = asyncio.Semaphore(self.cfg.inflight)
+        """Score ``chunk`` ((benchmark, mode, item) triples), ``concurrency`` at a time."""
+        sem = asyncio.Semaphore(self.cfg.concurrency)
 
         async def one(bench: str, mode: str, item: dict[str, Any]) -> dict[str, Any]:
             async with sem:
@@ -264,21 +267,21 @@ def run(cfg: EvalConfig, log: Callable[[str], None] = logger.info) -> dict[str, 
     todo = [(b.name, m, it) for m in cfg.modes for b in benches for it in b.items if (b.name, m, it["id"]) not in done]
     log(f"eval: {len(done)} items already scored in {items_file}, {len(todo)} to go, model {cfg.model} -> {out}")
     if todo:
-        init_ray(num_cpus=max(2, int(cfg.num_actors * cfg.cpus_per_actor) + 1))
+        init_ray(num_cpus=max(2, int(cfg.workers * cfg.cpus_per_worker) + 1))
         # API keys travel from the driver's environment to its actors, never through the config
         keys = {k: os.environ[k] for k in (cfg.endpoint.api_key_env, cfg.judge_endpoint.api_key_env)
                 if k and k in os.environ}
         env = interpreter_env(cfg.python, "python") or {}
         if keys:
             env["env_vars"] = {**env.get("env_vars", {}), **keys}
-        actor_cls = ray.remote(EvalWorker).options(num_cpus=cfg.cpus_per_actor, max_concurrency=4,
+        actor_cls = ray.remote(EvalWorker).options(num_cpus=cfg.cpus_per_worker, max_concurrency=4,
                                                    runtime_env=env or None)
         # built here, not in the actors: the tiny checkpoints build with asyncio.run, which an async actor cannot
         chat = cfg.model == "oracle" or cfg.model.startswith("openai:")
         path = cfg.processor or resolve_model("tiny") if chat else resolve_model(cfg.model)
-        actors = [actor_cls.remote(to_dict(cfg), cache_root, path) for _ in range(min(cfg.num_actors, len(todo)))]
+        actors = [actor_cls.remote(to_dict(cfg), cache_root, path) for _ in range(min(cfg.workers, len(todo)))]
         metrics = Recorder(JOB, out.name)  # items done and Pass@1 so far, by benchmark and mode (dashboards/)
-        size = cfg.inflight
+        size = cfg.concurrency
         chunks = [todo[i:i + size] for i in range(0, len(todo), size)]
         pending: dict[Any, int] = {}
         nxt = 0

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import yaml
 
@@ -35,6 +35,8 @@ def profile_recipe(grpo_profile: str) -> dict[str, Any]:
 @dataclass
 class PretrainConfig:
     """jobs/pretrain_tiny.py: LM-pretrain the tiny Qwen3-VL on oracle trajectories of the sft split."""
+    RENAMED: ClassVar[dict[str, str]] = {"warmup": "warmup_share"}
+
 
     run: RunConfig = opt(RunConfig, "Run root and seed (the seed also draws batches and the validation rows).")
     grpo_profile: str = opt("demo", "GRPO profile whose synth and trajectories sections give the data recipe "

@@ -48,7 +48,7 @@ class EvalConfig:
                              "round-robin over seed entities (osvl.rl.trainer.heldout_questions).")
     concurrency: int = opt(16, "Evaluation episodes in flight, per worker.", hashed=False)
     workers: int = opt(0, "Evaluation tasks side by side, each with one rollout actor's resources and a contiguous "
-                          "share of the questions; 0 = rollout.num_actors (no actor rolls out while held-out "
+                          "share of the questions; 0 = rollout.workers (no actor rolls out while held-out "
                           "questions are scored, so their resources are free).", hashed=False)
 
 

@@ -171,7 +171,7 @@ def check(cfg: Any, shape: ModelShape, nodes: list[NodeType], out: Any = print) 
 
     # rollout
     opts = rc.actor_options()
-    out(f"rollout: {rc.num_actors} actor(s), each {{CPU: {opts['num_cpus']:g}, GPU: {opts['num_gpus']:g}, "
+    out(f"rollout: {rc.workers} actor(s), each {{CPU: {opts['num_cpus']:g}, GPU: {opts['num_gpus']:g}, "
         f"{opts['resources']}}}, engine {rc.engine}, interpreter {rc.python or '(the job’s own)'}")
     offered("rollout", rc.role_units)
     if rc.engine == "vllm":

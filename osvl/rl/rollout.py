@@ -32,7 +32,7 @@ import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 
@@ -59,9 +59,11 @@ from osvl.tools.text_search import TextSearchConfig
 @dataclass
 class RolloutConfig:
     """Rollout actors and the agent budgets they run with."""
+    RENAMED: ClassVar[dict[str, str]] = {"num_actors": "workers", "cpus_per_actor": "cpus_per_worker"}
 
-    num_actors: int = opt(1, "Rollout actors (each holds one engine).", hashed=False)
-    cpus_per_actor: float = opt(1.0, "CPUs reserved per rollout actor.", hashed=False)
+
+    workers: int = opt(1, "Rollout actors (each holds one engine).", hashed=False)
+    cpus_per_worker: float = opt(1.0, "CPUs reserved per rollout actor.", hashed=False)
     num_gpus: float = opt(0.0, "GPUs per rollout actor and held-out evaluation engine (fractions share one).",
                           hashed=False)
     role_units: float = opt(0.0, "Units of the 'rollout' custom resource (osvl.cluster.ROLE_RESOURCES, declared on "
@@ -124,7 +126,7 @@ class RolloutConfig:
     def actor_options(self) -> dict[str, Any]:
         """What each rollout actor and held-out evaluation task reserves (the launcher's Ray options, and
         ``--check``'s plan); the launcher adds ``runtime_env``."""
-        return {"num_cpus": self.cpus_per_actor, "num_gpus": self.num_gpus,
+        return {"num_cpus": self.cpus_per_worker, "num_gpus": self.num_gpus,
                 "resources": role_resources("rollout", self.role_units)}
 
     def episode_agent(self, greedy: bool = False) -> AgentConfig:
@@ -148,7 +150,7 @@ class RolloutWorker:
     def __init__(self, actor_id: str, cfg: RolloutConfig, model_dir: str, questions: list[dict[str, Any]],
                  question_image_dir: str, image_dir: str, buffer: Any, store: Any, group_size: int,
                  mask_at: MaskStart = "cascade", recorder: Any = None) -> None:
-        torch.set_num_threads(max(1, int(cfg.cpus_per_actor)))
+        torch.set_num_threads(max(1, int(cfg.cpus_per_worker)))
         self.id, self.cfg, self.G, self.mask_at = actor_id, cfg, group_size, mask_at
         self.buffer, self.store = buffer, store
         self.questions = questions
@@ -361,7 +363,7 @@ def heldout_scores(model_dir: str | Path, questions: list[dict[str, Any]], image
 
     task = ray.remote(evaluate).options(name="heldout_eval", max_retries=1, runtime_env=cfg.runtime_env(),
                                         **cfg.actor_options())
-    n = max(1, min(workers or cfg.num_actors, len(questions)))
+    n = max(1, min(workers or cfg.workers, len(questions)))
     bounds = [len(questions) * i // n for i in range(n + 1)]
     model, images = storage.location(model_dir), storage.location(image_dir)
     parts = ray.get([task.remote(model, images, questions[a:b]) for a, b in zip(bounds[:-1], bounds[1:], strict=True)])

@@ -28,7 +28,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import pyarrow.parquet as pq
 
@@ -53,6 +53,8 @@ logger = logging.getLogger(__name__)
 @dataclass
 class LearnerConfig:
     """The learner's Ray Train workers."""
+    RENAMED: ClassVar[dict[str, str]] = {"num_workers": "workers"}
+
 
     workers: int = opt(1, "Ray Train learner workers (data parallel over whole groups).", hashed=False)
     role_units: float = opt(0.0, "Units of the 'learner' custom resource (osvl.cluster.ROLE_RESOURCES, declared on "
@@ -216,7 +218,7 @@ def start_cluster(rc: RolloutConfig, lc: LearnerConfig) -> None:
     """Join ``$RAY_ADDRESS`` or start a local cluster sized for the run: what the actors and workers
     reserve, plus one for Ray Train's controller (on a 2-core machine the demo asks for 3 logical
     CPUs: the cores are shared, not oversubscribed by much)."""
-    need = int(rc.num_actors * rc.cpus_per_actor + lc.workers * lc.threads_per_worker) + 1
+    need = int(rc.workers * rc.cpus_per_worker + lc.workers * lc.threads_per_worker) + 1
     init_ray(num_cpus=max(need, os.cpu_count() or 1))
 
 
@@ -292,7 +294,7 @@ def train(parts: GRPOParts, model_dir: str | Path, questions: list[dict[str, Any
     # would take GPUs on every node and split the learner's group; its train loop publishes the weights
     # and then waits for the actors' groups in buffer.take
     learner = start_learner(make_learner(train_loop, {"settings": settings}, parts.learner, out))
-    actors = {f"rollout{i}": make_actor(f"rollout{i}") for i in range(rc.num_actors)}
+    actors = {f"rollout{i}": make_actor(f"rollout{i}") for i in range(rc.workers)}
     monitor = Monitor(make_actor, buffer, actors, log_path, print_row or (lambda row: None), tc.max_actor_restarts,
                       log, rec)
     monitor.start()

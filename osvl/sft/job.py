@@ -35,7 +35,7 @@ import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from osvl.agent.evaluate import OFFER_FILE, trained_tools
 from osvl.agent.release import import_sharegpt
@@ -72,6 +72,8 @@ class DataConfig:
 
 @dataclasses.dataclass
 class SftConfig:
+    RENAMED: ClassVar[dict[str, str]] = {"num_workers": "workers", "warmup": "warmup_share"}
+
     run: RunConfig = opt(RunConfig, "Run root and seed.")
     data: DataConfig = opt(DataConfig, "Training data.")
     model: str = opt("", "Checkpoint directory to fine-tune (a relative path is taken from the repo root, as "

@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from osvl import storage
 from osvl.cluster import init_ray
@@ -61,11 +61,13 @@ class DegradeOptions:
 
 @dataclass
 class FilterOptions:
+    RENAMED: ClassVar[dict[str, str]] = {"concurrency": "workers"}
+
     stage: str = opt("", "Difficulty filter stage as module:Class: a Ray Data map_batches callable class, "
                      "constructed with this job's config, taking and returning a pyarrow.Table; empty = no "
                      "filter. osvl.synth.difficulty:DifficultyFilter is osvl's (settings: filter.difficulty).")
-    concurrency: int = opt(1, "Actors of the filter stage.", hashed=False)
-    num_gpus: float = opt(0.0, "GPUs per filter actor.", hashed=False)
+    workers: int = opt(1, "Ray Data actors of the filter stage.", hashed=False)
+    num_gpus: float = opt(0.0, "GPUs per filter worker.", hashed=False)
     difficulty: DifficultyConfig = opt(DifficultyConfig, "Settings of osvl.synth.difficulty:DifficultyFilter.")
 
 

@@ -314,7 +314,7 @@ def _apply_filter_stage(cfg: SynthConfig, table: pa.Table) -> pa.Table:
         raise ConfigError(f"filter.stage {cfg.filter.stage!r} cannot be imported: {e}") from None
     ds = ray.data.from_arrow(table).map_batches(stage_cls, batch_format="pyarrow", num_gpus=cfg.filter.num_gpus or None,
                                                 fn_constructor_args=(cfg,),
-                                                compute=ray.data.ActorPoolStrategy(size=cfg.filter.concurrency))
+                                                compute=ray.data.ActorPoolStrategy(size=cfg.filter.workers))
     parts = [pa.Table.from_batches([b]) if isinstance(b, pa.RecordBatch) else b
              for b in ds.iter_batches(batch_format="pyarrow", batch_size=None)]
     return pa.concat_tables(parts).cast(ROW_SCHEMA) if parts else table.slice(0, 0)
