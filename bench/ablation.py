@@ -33,10 +33,15 @@ meets the same outages in every mode. Held-out Pass@1 is measured without them.
 The outage run docs/measurements.md reports ("The four modes with tool outages") was fixed in this
 docstring and committed before it ran, after ``make demo`` in the same clone (so ``grpo_inputs`` reuses the
 demo's SFT'd policy): the demo profile as committed (no planted teacher behaviour, the process filter on),
-outages at the controlled experiment's rate, 5 seeds, 20 steps and 200 held-out questions so that the 20
+outages at the controlled experiment's rate, 5 seeds, 15 steps and 200 held-out questions so that the 20
 runs fit 150 minutes on the 2 cores::
 
-    .venv/bin/python bench/ablation.py --outages=0.3 --seeds=5 --steps=20 --eval.n_heldout=200
+    .venv/bin/python bench/ablation.py --outages=0.3 --seeds=5 --steps=15 --eval.n_heldout=200
+
+(First committed with 20 steps. That run, started 2026-12-07, was stopped after three runs of seed 0: with
+outages on, a 20-step run took 496-698 s, partly beside other work, so the 20 runs would not have fitted 150
+minutes. The 15 steps come from those times. Those three runs' figures were printed and read; no other seed
+ran.)
 
 25 steps by default, not the demo's 40: 12 runs of 40 steps do not fit the 120 minutes the
 benchmark is given on a 2-core machine (docs/measurements.md has the timings).
