@@ -58,10 +58,19 @@ def _variable(label: str) -> dict:
 
 
 def _unit(spec: MetricSpec) -> str:
-    if spec.name.endswith("_seconds"):
+    """Grafana's unit of a panel, from the metric's name (Prometheus naming: the unit is the last word) and kind (a
+    counter is drawn as its rate); ``suffix: X`` is Grafana's custom unit, a number followed by X."""
+    words = spec.name.split("_")
+    if words[-2] == "per":  # tokens_per_second, tool_calls_per_episode
+        return f"suffix: {words[-3]}/s" if words[-1] == "second" else f"suffix: {words[-3]}"
+    if spec.kind == "counter":
+        return f"suffix: {words[-1]}/s"
+    if words[-1] == "seconds":
         return "s"
-    if spec.name.endswith("_bytes"):
+    if words[-1] == "bytes":
         return "bytes"
+    if words[-1] == "ratio":
+        return "percentunit"  # a share in [0, 1], drawn as a percentage
     return "short"
 
 

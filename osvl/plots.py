@@ -52,7 +52,8 @@ def dashboard_grid(panels: list[Panel], out: str | Path, title: str = "", column
         for i, (name, times, values) in enumerate(panel.series):
             ax.plot([(t - t0) / 60 for t in times], values, lw=1.4, label=name if i < 6 else None)
         ax.set_xlabel("minutes since the first sample", fontsize=9)
-        ax.set_ylabel({"s": "seconds"}.get(panel.unit, panel.unit) or "value", fontsize=9)
+        unit = {"s": "seconds", "percentunit": "share (0-1)"}.get(panel.unit, panel.unit.removeprefix("suffix:"))
+        ax.set_ylabel(unit.strip() or panel.title.rsplit("_", 1)[-1], fontsize=9)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8, loc="best", frameon=False)
     for ax in list(axes.flat)[len(panels):]:
