@@ -250,9 +250,10 @@ def pretrain_main(argv: list[str] | None = None) -> dict:
     cfg.check()
     grpo = grpo_recipe(cfg.grpo_profile)
     tpath, held = demo_trajectories(cfg.run, grpo, "sft", 0)
-    probe = []
+    ppath = None
     if cfg.probe_questions:  # whole held-out trajectories, to read, never to train on
         ppath, _ = demo_trajectories(cfg.run, grpo, "heldout", cfg.probe_questions)
-        probe = read_trajectories(ppath)
-    return run_pretrain(cfg, read_trajectories(tpath), held, probe,
+    # read only when the run trains (a finished run is reused without reading its corpus)
+    return run_pretrain(cfg, lambda: read_trajectories(tpath), held,
+                        lambda: read_trajectories(ppath) if ppath else [],
                         {"trajectories": str(tpath.parent), "synth": recipe_entries(grpo.synth)})

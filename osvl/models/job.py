@@ -7,6 +7,7 @@ it when asked. Where the trajectories come from (the demo's data recipe, built o
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -93,27 +94,28 @@ class PretrainConfig:
             raise ConfigError("export_to needs probe_questions > 0: the exported card states the held-out loss")
 
 
-def run(cfg: PretrainConfig, trajs: list[Any], held: set[str], probe_trajs: list[Any], extra: dict[str, Any]
-        ) -> dict[str, Any]:
-    """Pretrain on the corpus of ``trajs`` (the sft split's oracle trajectories) with everything about the ``held``
-    entities cut out, or reuse the finished run; ``probe_trajs``: whole held-out trajectories, read by the progress
-    lines' turn probe, never trained on; ``extra``: what the report records of the data recipe (its ``synth`` key
-    is what an export's card states). Prints the closing lines; returns the report."""
+def run(cfg: PretrainConfig, trajs: Callable[[], list[Any]], held: set[str], probe_trajs: Callable[[], list[Any]],
+        extra: dict[str, Any]) -> dict[str, Any]:
+    """Pretrain on the corpus of ``trajs()`` (the sft split's oracle trajectories) with everything about the ``held``
+    entities cut out, or reuse the finished run (read nothing); ``probe_trajs()``: whole held-out trajectories, read
+    by the progress lines' turn probe, never trained on; ``extra``: what the report records of the data recipe (its
+    ``synth`` key is what an export's card states). Prints the closing lines; returns the report."""
     # lazy, (d): transformers takes seconds to import (jobs/grpo.py --help)
     from osvl.models.load import load_processor  # noqa: PLC0415
 
     base = Path(cfg.init) if cfg.init else tiny_checkpoint(BASE_KIND)
     tok = load_processor(base).tokenizer
-    probe = corpus_rows(probe_trajs, tok, set(), 1 << 16) if probe_trajs else []
     out = run_dir(cfg, JOB)
     if (out / "report.json").is_file() and (out / "model").is_dir():  # finished: rerun to export, not to train
         report = json.loads((out / "report.json").read_text())
         n_cut = report["rows_over_max_len"]
         print(f"pretrain_tiny: reusing the finished run {out}", flush=True)
     else:
-        rows = corpus_rows(trajs, tok, held, cfg.max_len)
+        corpus = trajs()
+        rows = corpus_rows(corpus, tok, held, cfg.max_len)
         # a row's answer is its last turn: a row cut at max_len never shows one (answers 0/96 at max_len 1024)
-        n_cut = sum(len(r) > cfg.max_len for r in corpus_rows(trajs, tok, held, 1 << 16))
+        n_cut = sum(len(r) > cfg.max_len for r in corpus_rows(corpus, tok, held, 1 << 16))
+        probe = corpus_rows(probe_trajs(), tok, set(), 1 << 16)
         # the recipe as trained on: the profile may change before a later rerun exports this run
         report = train(cfg, rows, base, out, extra={**extra, "heldout_entities": len(held), "rows_over_max_len": n_cut},
                        probe=probe)
