@@ -33,7 +33,8 @@ the most idf-weighted query words (the entity's own title words count a tenth), 
 to a window around its best word, in article order, up to ``snippet_chars``. The dense
 re-rank (``dense_rerank``) embeds the query and the lead + first words of each of the
 ``rerank_depth`` best entities (memoised per entity, so an RL run pays each entity
-once) and mixes the z-scored BM25 and cosine scores. Query-time embedding rather than a
+once; with ``dense_recall`` the entities' rows of the whole-KG embedding serve instead) and
+mixes the z-scored BM25 and cosine scores. Query-time embedding rather than a
 precomputed dense index: the KG sample has ~12k entities and embedding them all costs
 minutes of CPU per index build, while a query touches 20.
 
@@ -393,7 +394,9 @@ class TextIndex:
         with self._lock:
             enc = self._encoder or _load_encoder()
             self._encoder = enc
-            missing = [e for e, _ in head if e not in self._emb]
+            # with the whole KG embedded (dense_recall), its rows are these same texts' embeddings: encoding the
+            # head again cost ~0.5 s a query on 2 cores (30 passages through MiniLM), the query alone ~10 ms
+            missing = [] if self.dense is not None else [e for e, _ in head if e not in self._emb]
             if missing:
                 for e, v in zip(missing, enc([self._dense_text(e) for e in missing]), strict=True):
                     self._emb[e] = v
