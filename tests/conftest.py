@@ -36,6 +36,18 @@ def pytest_runtest_makereport(item, call):
         rep.longrepr = (os.path.relpath(__file__), missing_input.__code__.co_firstlineno, rep.longrepr[2])
 
 
+def pytest_terminal_summary(terminalreporter):
+    """Where a long test's minutes went: the phases it recorded with ``record_property("seconds", (what,
+    seconds))``, printed after the durations table, so a CI log shows them for passing tests too (a passing
+    test's own output is not shown)."""
+    lines = [f"{sec:7.1f} s  {rep.nodeid}  {what}" for reps in terminalreporter.stats.values() for rep in reps
+             for key, (what, sec) in getattr(rep, "user_properties", []) if key == "seconds" and rep.when == "call"]
+    if lines:
+        terminalreporter.write_sep("=", "phases the slow tests recorded")
+        for line in lines:
+            terminalreporter.write_line(line)
+
+
 @pytest.fixture(scope="session")
 def shared_data() -> Path:
     """The developers' real data sources (``../shared/data`` beside the checkout, or ``$OSVL_SHARED_DATA``)."""
