@@ -437,11 +437,12 @@ def normalize_args(argv: Sequence[str]) -> list[str]:
 
 
 def parse_args(cls: type[T], job: str, argv: list[str] | None = None,
-               default_profile: str = "demo") -> T:
+               default_profile: str = "demo", usage: str = "") -> T:
     """Resolve a job's config from defaults, a profile and overrides (``--key=value`` or ``--key value``).
 
-    ``--help`` prints every field with the value this command line resolves to and exits 0; anything
-    malformed raises ConfigError (``cli`` turns it into one line and exit code 2).
+    ``--help`` prints every field with the value this command line resolves to and exits 0 (``usage``
+    replaces the first line: a job with flags outside its config names them there); anything malformed
+    raises ConfigError (``cli`` turns it into one line and exit code 2).
     """
     argv = normalize_args(list(sys.argv[1:] if argv is None else argv))
     profile = default_profile
@@ -462,7 +463,7 @@ def parse_args(cls: type[T], job: str, argv: list[str] | None = None,
     for key, value in overrides:
         cfg = apply_override(cfg, key, value)
     if "--help" in argv:
-        print(format_help(cls, job, defaults=cfg, profile=profile))
+        print(format_help(cls, job, defaults=cfg, profile=profile, usage=usage))
         raise SystemExit(0)
     return cfg
 

@@ -79,14 +79,16 @@ def setup(level: str | None = None) -> None:
 
 
 def start_job(cls: type[T], job: str, argv: list[str] | None = None,
-              finish: Callable[[T], T] | None = None) -> T:
+              finish: Callable[[T], T] | None = None, usage: str = "") -> T:
     """Every job's first line: ``--log_level`` read and applied, the config resolved (``osvl.config.parse_args``,
     then ``finish``: a job's own checks and additions, which fail before anything is logged) and logged.
-    ``--print_config`` prints that config (what the job would log) and exits 0 before anything starts."""
+    ``--print_config`` prints that config (what the job would log) and exits 0 before anything starts; ``usage``
+    is ``--help``'s first line (``parse_args``)."""
     args = normalize_args(list(sys.argv[1:] if argv is None else argv))
     level = next((a.partition("=")[2] for a in args if a.startswith("--log_level=")), None)
     setup(level)
-    cfg = parse_args(cls, job, [a for a in args if not a.startswith("--log_level=") and a != "--print_config"])
+    cfg = parse_args(cls, job, [a for a in args if not a.startswith("--log_level=") and a != "--print_config"],
+                     usage=usage)
     if finish is not None:
         cfg = finish(cfg)
     if "--print_config" in args:

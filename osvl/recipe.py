@@ -181,6 +181,16 @@ def run_trajectories(cfg: expert.TrajConfig, log: Log = logger.info) -> tuple[Pa
     return expert.run(cfg, log=log, questions=qdir)
 
 
+# --help's first lines: the plan flags are the job's own, outside its config (osvl/rl/plan.py)
+GRPO_USAGE = ("usage: python jobs/grpo.py [--profile=NAME|FILE.yaml] [--print_config] [--log_level=debug|info|warning|"
+              "error] [--section.key=value | --section.key value ...]\n"
+              "       python jobs/grpo.py --check[=MODEL_DIR] [--cluster=cluster.yaml] [--gpu_memory_gb=80] "
+              "[--profile=...] [--section.key=value ...]\n"
+              "  --check: print the run's plan (memory per GPU rank, placement on the cluster's node types, the "
+              "rollout environment) for MODEL_DIR's config.json (default: model) and exit 1 on any problem; nothing "
+              "starts (docs/gpus.md)")
+
+
 def grpo_main(argv: list[str] | None = None) -> None:
     """``python jobs/grpo.py``: the plan (``--check``) or the whole chain, ending on ``verdict``'s line."""
     # "--check DIR" and "--check=DIR" name the model; a lone "--check" (read as "--check=true") plans without one
@@ -198,7 +208,7 @@ def grpo_main(argv: list[str] | None = None) -> None:
         cfg.rollout.check()
         return cfg
 
-    cfg = start_job(GRPOJobConfig, GRPO_JOB, args, finish)
+    cfg = start_job(GRPOJobConfig, GRPO_JOB, args, finish, usage=GRPO_USAGE)
     s = run_grpo(cfg)
     # `make demo` runs this job; its last line says whether the whole chain ran (the test greps it)
     label = "demo" if not any(a.startswith("--profile=") and a != "--profile=demo" for a in args) else "grpo"
