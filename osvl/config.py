@@ -348,6 +348,12 @@ def profile_path(job: str, profile: str) -> Path:
     return path
 
 
+def usage_line(job: str) -> str:
+    """The first line of a job's ``--help``."""
+    return (f"usage: python jobs/{job}.py [--profile=NAME|FILE.yaml] [--print_config] "
+            "[--log_level=debug|info|warning|error] [--section.key=value | --section.key value ...]")
+
+
 def format_help(cls: type, job: str = "", prefix: str = "", defaults: Any = None, usage: str = "",
                 profile: str = "") -> str:
     """Every field with its type, value and doc: what ``--help`` prints.
@@ -357,8 +363,7 @@ def format_help(cls: type, job: str = "", prefix: str = "", defaults: Any = None
     """
     lines = []
     if not prefix:
-        lines.append(usage or f"usage: python jobs/{job}.py [--profile=NAME|FILE.yaml] [--print_config] "
-                              "[--log_level=debug|info|warning|error] [--section.key=value | --section.key value ...]")
+        lines.append(usage or usage_line(job))
         profiles = sorted(x.stem for x in (CONFIG_DIR / job).glob("*.yaml")) if job else []
         if profiles:
             lines.append(f"profiles: {', '.join(profiles)} (default: demo)")

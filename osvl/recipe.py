@@ -35,6 +35,7 @@ from osvl.config import (
     run_dir,
     to_dict,
     upstream_config,
+    usage_line,
 )
 from osvl.errors import ConfigError
 from osvl.expert import job as expert
@@ -182,8 +183,7 @@ def run_trajectories(cfg: expert.TrajConfig, log: Log = logger.info) -> tuple[Pa
 
 
 # --help's first lines: the plan flags are the job's own, outside its config (osvl/rl/plan.py)
-GRPO_USAGE = ("usage: python jobs/grpo.py [--profile=NAME|FILE.yaml] [--print_config] [--log_level=debug|info|warning|"
-              "error] [--section.key=value | --section.key value ...]\n"
+GRPO_USAGE = (usage_line(GRPO_JOB) + "\n"
               "       python jobs/grpo.py --check[=MODEL_DIR] [--cluster=cluster.yaml] [--gpu_memory_gb=80] "
               "[--profile=...] [--section.key=value ...]\n"
               "  --check: print the run's plan (memory per GPU rank, placement on the cluster's node types, the "
