@@ -107,12 +107,16 @@ DEMO_ARGS ?=
 demo: setup
 	$(PY) jobs/grpo.py $(DEMO_ARGS)
 
-# The multi-node tests run in a private network namespace with loopback only (tests/netns.sh says why).
-# The vLLM environment comes first: the main suite's GRPO and eval jobs with vLLM engines run their
-# actors under its interpreter (tests/test_vllm_jobs.py, OSVL_VLLM_PYTHON).
+# The suite runs in a private network namespace with loopback only: the multi-node tests need it (tests/netns.sh
+# says why), and nothing else may reach past loopback anyway. PYTEST_WORKERS pytest-xdist workers, each given
+# whole modules (module fixtures, e.g. a Serve app, start once), the longest first (tests/conftest.py): two on
+# CI's 2 cores, where one worker left a quarter of the CPU idle (Ray start-ups, Serve and job waits); 0 runs the
+# suite in this process. The vLLM environment comes first: the main suite's GRPO and eval jobs with vLLM engines
+# run their actors under its interpreter (tests/test_vllm_jobs.py, OSVL_VLLM_PYTHON).
+PYTEST_WORKERS ?= 2
 test: setup setup-vllm lint
-	OSVL_VLLM_PYTHON=$(abspath $(VLLM_PY)) $(PY) -m pytest -q --ignore=tests/test_multinode.py $(PYTEST_ARGS)
-	OSVL_REQUIRE_NETNS=1 tests/netns.sh $(PY) -m pytest -q -p no:cacheprovider tests/test_multinode.py $(PYTEST_ARGS)
+	OSVL_REQUIRE_NETNS=1 OSVL_VLLM_PYTHON=$(abspath $(VLLM_PY)) tests/netns.sh $(PY) -m pytest -q \
+		-n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 	$(MAKE) --no-print-directory test-vllm
 
 test-fast: setup lint

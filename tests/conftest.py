@@ -36,6 +36,22 @@ def pytest_runtest_makereport(item, call):
         rep.longrepr = (os.path.relpath(__file__), missing_input.__code__.co_firstlineno, rep.longrepr[2])
 
 
+# The modules that take minutes, longest first (a CI log's durations, 2026-12-07: test_readme 322 s down to
+# test_learner_placement 60 s, of the suite's 2,860). `make test` runs the suite on two pytest-xdist workers, whole
+# modules each, in this order (--dist loadfile --no-loadscope-reorder): started first, they pair up with each other
+# and with the short modules, instead of leaving one worker idle beside a five-minute module at the end. A stale list
+# costs minutes, never a result.
+LONG_MODULES = ["test_readme.py", "test_multinode.py", "test_vllm_jobs.py", "test_sft.py", "test_grpo_faults.py",
+                "test_eval.py", "test_synth_pipeline.py", "test_search.py", "test_serve_load.py",
+                "test_pretrain_tiny.py", "test_agent_service.py", "test_observability.py", "test_ray_up.py",
+                "test_learner_placement.py"]
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(LONG_MODULES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the other modules keep their order
+
+
 def pytest_terminal_summary(terminalreporter):
     """Where a long test's minutes went: the phases it recorded with ``record_property("seconds", (what,
     seconds))``, printed after the durations table, so a CI log shows them for passing tests too (a passing
@@ -143,7 +159,9 @@ def loopback_only_namespace() -> bool:
     return [name for _, name in socket.if_nameindex()] == ["lo"]  # not /sys/class/net: sysfs shows its mounter's
 
 
-@pytest.fixture(scope="session")
+# module scope: under pytest-xdist the worker goes on to other modules, which must not share a session with a
+# three-node cluster (its processes, its RAY_AUTH_MODE=token)
+@pytest.fixture(scope="module")
 def multinode_cluster(s3_store):
     """A real multi-node Ray cluster on loopback plus the S3-compatible store (``s3_store``).
 
