@@ -114,13 +114,13 @@ demo: setup
 # suite in this process. The vLLM environment comes first: the main suite's GRPO and eval jobs with vLLM engines
 # run their actors under its interpreter (tests/test_vllm_jobs.py, OSVL_VLLM_PYTHON).
 PYTEST_WORKERS ?= 2
+XDIST := -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder
 test: setup setup-vllm lint
-	OSVL_REQUIRE_NETNS=1 OSVL_VLLM_PYTHON=$(abspath $(VLLM_PY)) tests/netns.sh $(PY) -m pytest -q \
-		-n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
+	OSVL_REQUIRE_NETNS=1 OSVL_VLLM_PYTHON=$(abspath $(VLLM_PY)) tests/netns.sh $(PY) -m pytest -q $(XDIST) $(PYTEST_ARGS)
 	$(MAKE) --no-print-directory test-vllm
 
 test-fast: setup lint
-	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m "not slow" $(XDIST) $(PYTEST_ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check .
