@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import pytest
 
@@ -159,6 +160,21 @@ def loopback_only_namespace() -> bool:
     return [name for _, name in socket.if_nameindex()] == ["lo"]  # not /sys/class/net: sysfs shows its mounter's
 
 
+def _state_list(address: str, resource: str, detail: bool = False) -> list[Any]:
+    """``ray.util.state.list_<resource>`` of the token-auth multi-node cluster, sending the token itself: Ray reads
+    RAY_AUTH_MODE once per process, at the first ``import ray``, which in a whole-suite run another module has done
+    by collection time (test_foundation), so the fixture's RAY_AUTH_MODE=token came too late for list_nodes & co."""
+    from ray._raylet import AuthenticationTokenLoader
+    from ray.util.state import StateApiClient
+    from ray.util.state.common import ListApiOptions, StateResource
+
+    loader = AuthenticationTokenLoader.instance()
+    loader.reset_cache()  # `ray start --head` may have written the token after this process first looked
+    client = StateApiClient(address, headers={"Authorization": f"Bearer {loader.get_raw_token(ignore_auth_mode=True)}"})
+    return client.list(StateResource[resource.upper()], options=ListApiOptions(detail=detail, limit=10_000),
+                       raise_on_missing_output=False)
+
+
 # module scope: under pytest-xdist the worker goes on to other modules, which must not share a session with a
 # three-node cluster (its processes, its RAY_AUTH_MODE=token)
 @pytest.fixture(scope="module")
@@ -169,8 +185,8 @@ def multinode_cluster(s3_store):
     worker nodes of ``WORKER_NODES`` joined with ``ray start --address``: separate processes, each
     with its own temp dir (so one can be stopped alone, never with a machine-wide ``ray stop``) and
     its own ``OSVL_STORAGE_CACHE`` (so nothing passes between nodes except through the bucket).
-    Yields ``{"address", "env", "temp_dirs", "caches"}``; ``env`` is what a ``ray job submit``
-    against it needs.
+    Yields ``{"address", "env", "temp_dirs", "caches", "state"}``; ``env`` is what a ``ray job submit``
+    against it needs, ``state("nodes" | "actors" | "tasks", detail=False)`` lists its state.
     """
     import json
     import subprocess
@@ -222,16 +238,15 @@ def multinode_cluster(s3_store):
             roles = {ROLE_RESOURCES[role]: units for role, units in node["roles"].items()}
             start(name, f"127.0.0.{i + 3}", [f"--address=127.0.0.2:{gcs}", f"--num-cpus={node['cpus']}",
                                              f"--num-gpus={node['gpus']}", f"--resources={json.dumps(roles)}"])
+        state = functools.partial(_state_list, address)
         with pytest.MonkeyPatch.context() as mp:
             mp.setenv("RAY_AUTH_MODE", "token")
-            from ray.util.state import list_nodes
-
             deadline = time.time() + 120
-            while len([n for n in list_nodes(address=address) if n.state == "ALIVE"]) < 1 + len(WORKER_NODES):
+            while len([n for n in state("nodes") if n.state == "ALIVE"]) < 1 + len(WORKER_NODES):
                 if time.time() > deadline:
                     raise RuntimeError("the worker nodes did not join")
                 time.sleep(1)
-            yield {"address": address, "env": env, "temp_dirs": temp_dirs, "caches": caches}
+            yield {"address": address, "env": env, "temp_dirs": temp_dirs, "caches": caches, "state": state}
     finally:
         for name in reversed(list(temp_dirs)):
             stop_node(str(temp_dirs[name]))

@@ -118,10 +118,8 @@ def _add_learner_node(cluster: dict, name: str = "c") -> tuple[Path, Path]:
         _stop(str(temp_dir))
     else:
         raise RuntimeError(f"ray start of node {name} failed: {done.stderr[-3000:]}")
-    from ray.util.state import list_nodes
-
     deadline = time.time() + 120
-    while not any(n.node_ip == "127.0.0.5" and n.state == "ALIVE" for n in list_nodes(address=cluster["address"])):
+    while not any(n.node_ip == "127.0.0.5" and n.state == "ALIVE" for n in cluster["state"]("nodes")):
         assert time.time() < deadline, f"node {name} did not join"
         time.sleep(1)
     return temp_dir, cache
@@ -191,8 +189,6 @@ def test_grpo_job_on_a_multinode_cluster_with_s3_storage(multinode_cluster, s3_s
 
 
 def _grpo_job_on_a_multinode_cluster(cluster: dict, s3_store: dict, node_c: Path, cache_c: Path) -> None:
-    from ray.util.state import list_actors, list_nodes, list_tasks
-
     from osvl.cluster import stop_node
 
     root = f"s3://{s3_store['bucket']}/runs-{uuid.uuid4().hex[:8]}"
@@ -273,12 +269,12 @@ def _grpo_job_on_a_multinode_cluster(cluster: dict, s3_store: dict, node_c: Path
     assert all(format_row(r) in out for r in rows), "the live step table misses steps"
 
     # where each role ran, from Ray's state API
-    nodes = {n.node_id: n for n in list_nodes(address=cluster["address"], detail=True)}
+    nodes = {n.node_id: n for n in cluster["state"]("nodes", detail=True)}
     head = {i for i, n in nodes.items() if n.is_head_node}
     gpu = {i for i, n in nodes.items() if n.resources_total.get("GPU", 0) > 0}
     learner = {i for i, n in nodes.items() if n.resources_total.get("learner", 0) > 0}
-    actors = list_actors(address=cluster["address"], detail=True, limit=10_000)
-    tasks = list_tasks(address=cluster["address"], detail=True, limit=10_000)
+    actors = cluster["state"]("actors", detail=True)
+    tasks = cluster["state"]("tasks", detail=True)
     rollout = {a.node_id for a in actors if a.class_name == "RolloutWorker"}
     workers = {a.node_id for a in actors if a.class_name == "RayTrainWorker"}
     evals = {t.node_id for t in tasks if t.name == "heldout_eval" and t.node_id}
@@ -339,7 +335,6 @@ def test_tool_replicas_run_where_the_tools_resource_is(multinode_cluster):
 
     import numpy as np
     from PIL import Image
-    from ray.util.state import list_actors, list_nodes
 
     from osvl.cluster import ROLE_RESOURCES, free_port
 
@@ -367,11 +362,10 @@ def test_tool_replicas_run_where_the_tools_resource_is(multinode_cluster):
                 assert time.time() < deadline, "the tool API did not come up"
                 time.sleep(2)
         assert answer["status"] == "ok", answer
-        nodes = {n.node_id: n for n in list_nodes(address=cluster["address"], detail=True)}
+        nodes = {n.node_id: n for n in cluster["state"]("nodes", detail=True)}
         tools_nodes = {i for i, n in nodes.items() if n.resources_total.get(ROLE_RESOURCES["tools"], 0) > 0}
         head = {i for i, n in nodes.items() if n.is_head_node}
-        replicas = {a.class_name: a.node_id for a in list_actors(address=cluster["address"], detail=True,
-                                                                 limit=10_000)
+        replicas = {a.class_name: a.node_id for a in cluster["state"]("actors", detail=True)
                     if (a.class_name or "").startswith("ServeReplica:osvl_tools:") and a.state == "ALIVE"}
         assert set(replicas) == {"ServeReplica:osvl_tools:tool_crop", "ServeReplica:osvl_tools:api"}, replicas
         assert set(replicas.values()) <= tools_nodes and not set(replicas.values()) & head
