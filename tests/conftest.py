@@ -175,8 +175,8 @@ def _state_list(address: str, resource: str, detail: bool = False) -> list[Any]:
                        raise_on_missing_output=False)
 
 
-# module scope: under pytest-xdist the worker goes on to other modules, which must not share a session with a
-# three-node cluster (its processes, its RAY_AUTH_MODE=token)
+# module scope: under pytest-xdist the worker goes on to other modules, which must not run beside a three-node
+# cluster they never asked for (its processes, its memory)
 @pytest.fixture(scope="module")
 def multinode_cluster(s3_store):
     """A real multi-node Ray cluster on loopback plus the S3-compatible store (``s3_store``).
@@ -238,15 +238,15 @@ def multinode_cluster(s3_store):
             roles = {ROLE_RESOURCES[role]: units for role, units in node["roles"].items()}
             start(name, f"127.0.0.{i + 3}", [f"--address=127.0.0.2:{gcs}", f"--num-cpus={node['cpus']}",
                                              f"--num-gpus={node['gpus']}", f"--resources={json.dumps(roles)}"])
+        # RAY_AUTH_MODE=token lives in `env` (every CLI call) and in state()'s header, never in this process:
+        # Ray would read it only at the first import, which another module may have done already
         state = functools.partial(_state_list, address)
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setenv("RAY_AUTH_MODE", "token")
-            deadline = time.time() + 120
-            while len([n for n in state("nodes") if n.state == "ALIVE"]) < 1 + len(WORKER_NODES):
-                if time.time() > deadline:
-                    raise RuntimeError("the worker nodes did not join")
-                time.sleep(1)
-            yield {"address": address, "env": env, "temp_dirs": temp_dirs, "caches": caches, "state": state}
+        deadline = time.time() + 120
+        while len([n for n in state("nodes") if n.state == "ALIVE"]) < 1 + len(WORKER_NODES):
+            if time.time() > deadline:
+                raise RuntimeError("the worker nodes did not join")
+            time.sleep(1)
+        yield {"address": address, "env": env, "temp_dirs": temp_dirs, "caches": caches, "state": state}
     finally:
         for name in reversed(list(temp_dirs)):
             stop_node(str(temp_dirs[name]))
