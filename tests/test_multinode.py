@@ -365,9 +365,16 @@ def test_tool_replicas_run_where_the_tools_resource_is(multinode_cluster):
         nodes = {n.node_id: n for n in cluster["state"]("nodes", detail=True)}
         tools_nodes = {i for i, n in nodes.items() if n.resources_total.get(ROLE_RESOURCES["tools"], 0) > 0}
         head = {i for i, n in nodes.items() if n.is_head_node}
-        replicas = {a.class_name: a.node_id for a in cluster["state"]("actors", detail=True)
-                    if (a.class_name or "").startswith("ServeReplica:osvl_tools:") and a.state == "ALIVE"}
-        assert set(replicas) == {"ServeReplica:osvl_tools:tool_crop", "ServeReplica:osvl_tools:api"}, replicas
+        # crop runs inline in the ingress for HTTP calls, so the answer can come before the tool_crop replica
+        # (there for handle callers) is up: on a loaded machine it was still starting when first listed
+        wanted, deadline = {"ServeReplica:osvl_tools:tool_crop", "ServeReplica:osvl_tools:api"}, time.time() + 120
+        while True:
+            replicas = {a.class_name: a.node_id for a in cluster["state"]("actors", detail=True)
+                        if (a.class_name or "").startswith("ServeReplica:osvl_tools:") and a.state == "ALIVE"}
+            if set(replicas) >= wanted or time.time() > deadline:
+                break
+            time.sleep(2)
+        assert set(replicas) == wanted, replicas
         assert set(replicas.values()) <= tools_nodes and not set(replicas.values()) & head
     finally:
         env = cluster["env"]
