@@ -236,3 +236,30 @@ def test_buckets_round_trip_through_a_group(monkeypatch):
     assert list(got) == ["a", "b", "c"]
     for k in got:
         assert got[k].dtype == torch.bfloat16 and torch.equal(got[k], getattr(model, k).detach().to(torch.bfloat16)), k
+
+
+def test_after_the_runs_last_version_an_actor_behind_fetches_it_instead_of_building_a_group():
+    """An actor the learner listed in an epoch just before its last version (a replacement that joined during
+    the last step) is told to build that group while a learner is there to meet it; once the last version is
+    published as final, it is sent to the object store at once (building the group would only wait out the
+    rendezvous timeout). A learner that takes over afterwards and opens an epoch makes groups count again."""
+    import asyncio
+
+    from osvl.rl.weights import WeightStore
+
+    async def go() -> list[dict]:
+        store = WeightStore()
+        await store.join("late", None, "float32", -1)
+        await store.open_epoch("127.0.0.1", 1, ["late"])
+        answers = [await store.wait("late", 0, 0, -1, timeout=0.05)]
+        await store.publish(7, [], "float32", [], final=True)
+        answers += [await store.wait("late", 0, 0, -1, timeout=0.05), await store.wait("late", 0, 0, 7, timeout=0.05)]
+        await store.open_epoch("127.0.0.1", 2, ["late"])
+        answers.append(await store.wait("late", 1, 0, 7, timeout=0.05))
+        return answers
+
+    during, behind, holding, taken_over = asyncio.run(go())
+    assert (during["kind"], during["epoch"]) == ("epoch", 1)
+    assert (behind["kind"], behind["version"]) == ("stored", 7)
+    assert holding == {"kind": "none"}  # holds the last version: nothing left to do, no group to build
+    assert (taken_over["kind"], taken_over["epoch"]) == ("epoch", 2)

@@ -309,8 +309,9 @@ def train(parts: GRPOParts, model_dir: str | Path, questions: list[dict[str, Any
     ledger = ray.get(buffer.ledger.remote())
     events = ray.get(buffer.events.remote())
     final = ray.get(store.latest_version.remote())
-    # a replacement actor that joined during the last step may first wait out a weight group the finished learner
-    # never builds (the receiver's 30 s), then fetch the stored version, on a busy node: two minutes beside the polls
+    # a replacement actor that joined during the last step may still be loading its model (or be inside the
+    # rendezvous of a group listed before the last version); then the store sends it to the stored last version:
+    # on a busy node that took minutes, so two beside the polls (a healthy run returns as soon as all hold it)
     actor_stats = final_actor_stats(monitor, final, timeout_s=2 * rc.weight_poll_s + 120)
     events += [f"stale_engine {s['actor']}: version {s['version']} at the end, the learner's last is {final}"
                for s in actor_stats if s.get("alive") and s["version"] != final]

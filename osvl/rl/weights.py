@@ -246,6 +246,7 @@ class WeightStore:
         self.announced: dict[str, Any] = {"version": -1, "epoch": 0, "seq": 0, "plan": [], "dtype": ""}
         self.stored: dict[str, Any] = {"version": -1, "plan": [], "refs": []}  # the object store's version
         self.catchup = False  # an actor asked for the newest version through the object store
+        self.finished = False  # the stored version is the run's last: no learner builds another group
         self._cond: asyncio.Condition | None = None
 
     @property
@@ -279,6 +280,11 @@ class WeightStore:
             g, a, st = self.group, self.announced, self.stored
             if actor_id not in self.members:
                 return {"kind": "rejoin"}
+            if self.finished:
+                # the learner is done: an epoch that lists this actor has no one at its other end (building it
+                # would only wait out the rendezvous timeout), and every member of the last group took part
+                # in its broadcast; an actor still behind (one that joined during the last step) fetches it
+                return {"kind": "stored", **st} if st["version"] > version else None
             if g["epoch"] > epoch and actor_id in g["members"]:
                 return {"kind": "epoch", **g}
             if a["epoch"] == epoch > 0 and a["seq"] > seq:
@@ -320,6 +326,7 @@ class WeightStore:
         return sorted(self.members), (dtypes.pop() if dtypes else None)
 
     async def open_epoch(self, host: str, port: int, members: list[str]) -> int:
+        self.finished = False  # a learner that took over after the last version trains on
         self.group = {"epoch": self.group["epoch"] + 1, "host": host, "port": port, "members": list(members)}
         await self._changed()
         return self.group["epoch"]
@@ -329,20 +336,22 @@ class WeightStore:
         last: the version it resumed from is the one that trains on)."""
         self.announced = {"version": version, "epoch": epoch, "seq": self.announced["seq"] + 1, "plan": plan,
                           "dtype": dtype}
+        self.finished = False
         self.version, self.published_at = version, time.time()
         receiving = set(self.group["members"]) if epoch == self.group["epoch"] > 0 else set()
         if any(m["version"] < version for i, m in self.members.items() if i not in receiving):
             self.catchup = True  # one joined after the roster was taken: the object store serves it
         await self._changed()
 
-    async def publish(self, version: int, plan: list[Meta], dtype: str, refs: list[Any]) -> None:
+    async def publish(self, version: int, plan: list[Meta], dtype: str, refs: list[Any], final: bool = False) -> None:
         """The object store's version: ``refs`` = one ``[ObjectRef]`` per bucket (in a list, so Ray passes the
-        reference, not the value). Only the newest is kept: an old version is freed once no actor holds it."""
+        reference, not the value). Only the newest is kept: an old version is freed once no actor holds it.
+        ``final``: the run's last version; from then on every actor behind it fetches it from here."""
         if version < self.stored["version"]:
             return  # a restarted learner republishing an old version must not roll the actors back
         self.stored = {"version": version, "plan": plan, "dtype": dtype, "refs": refs}
         self.version, self.published_at = max(self.version, version), time.time()
-        self.catchup = False
+        self.catchup, self.finished = False, final
         await self._changed()
 
     def wants_catchup(self) -> bool:
@@ -384,7 +393,7 @@ class Publisher:
         members, dtype = self._roster(model)
         plan = plan_buckets(model, dtype, self.bucket_bytes)
         if self.transport == "object_store":
-            self._store(model, plan, dtype, version)
+            self._store(model, plan, dtype, version, final=final)
         else:
             for _ in range(self.attempts):
                 if self._broadcast(model, plan, dtype, version, members):
@@ -395,7 +404,7 @@ class Publisher:
                 raise EngineError(f"weight version {version}: the broadcast failed {self.attempts} times")
             if final:
                 self._hashed, hashed = None, self._hashed  # hashed once, as broadcast
-                self._store(model, plan, dtype, version)
+                self._store(model, plan, dtype, version, final=True)
                 self._hashed = hashed
         self.stats["versions"] += 1
         if self._hashed is not None and self.rank == 0:
@@ -430,7 +439,7 @@ class Publisher:
         code = int(train_device.all_reduce(torch.tensor([code]), op="max").item())
         return members, getattr(torch, _DTYPES[code]) if code >= 0 else next(_module(model).parameters()).dtype
 
-    def _store(self, model: Any, plan: list[Meta], dtype: torch.dtype, version: int) -> None:
+    def _store(self, model: Any, plan: list[Meta], dtype: torch.dtype, version: int, final: bool = False) -> None:
         import ray  # noqa: PLC0415 (d) keeps ray out of jobs/grpo.py --help
 
         refs = []
@@ -440,7 +449,7 @@ class Publisher:
                 self._sent(flat, plan[i])
             del flat  # before the next bucket is made: one bucket at a time
         if self.rank == 0:
-            ray.get(self.store.publish.remote(version, plan, _dtype_name(dtype), refs))
+            ray.get(self.store.publish.remote(version, plan, _dtype_name(dtype), refs, final))
             self.stats["stored"] += 1
 
     def _broadcast(self, model: Any, plan: list[Meta], dtype: torch.dtype, version: int, members: list[str]) -> bool:
