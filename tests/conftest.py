@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import functools
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -160,19 +160,24 @@ def loopback_only_namespace() -> bool:
     return [name for _, name in socket.if_nameindex()] == ["lo"]  # not /sys/class/net: sysfs shows its mounter's
 
 
-def _state_list(address: str, resource: str, detail: bool = False) -> list[Any]:
-    """``ray.util.state.list_<resource>`` of the token-auth multi-node cluster, sending the token itself: Ray reads
-    RAY_AUTH_MODE once per process, at the first ``import ray``, which in a whole-suite run another module has done
-    by collection time (test_foundation), so the fixture's RAY_AUTH_MODE=token came too late for list_nodes & co."""
+def _state_lister(address: str) -> Callable[..., list[Any]]:
+    """``state(resource, detail=False)``: ``ray.util.state.list_<resource>`` of the token-auth multi-node cluster,
+    one client that sends the token itself: Ray reads RAY_AUTH_MODE once per process, at the first ``import ray``,
+    which in a whole-suite run another module has done by collection time (test_foundation), so the fixture's
+    RAY_AUTH_MODE=token came too late for list_nodes & co."""
     from ray._raylet import AuthenticationTokenLoader
     from ray.util.state import StateApiClient
     from ray.util.state.common import ListApiOptions, StateResource
 
     loader = AuthenticationTokenLoader.instance()
-    loader.reset_cache()  # `ray start --head` may have written the token after this process first looked
+    loader.reset_cache()  # `ray start --head` wrote the token after this process may first have looked
     client = StateApiClient(address, headers={"Authorization": f"Bearer {loader.get_raw_token(ignore_auth_mode=True)}"})
-    return client.list(StateResource[resource.upper()], options=ListApiOptions(detail=detail, limit=10_000),
-                       raise_on_missing_output=False)
+
+    def state(resource: str, detail: bool = False) -> list[Any]:
+        return client.list(StateResource[resource.upper()], options=ListApiOptions(detail=detail, limit=10_000),
+                           raise_on_missing_output=False)
+
+    return state
 
 
 # module scope: under pytest-xdist the worker goes on to other modules, which must not run beside a three-node
@@ -240,7 +245,7 @@ def multinode_cluster(s3_store):
                                              f"--num-gpus={node['gpus']}", f"--resources={json.dumps(roles)}"])
         # RAY_AUTH_MODE=token lives in `env` (every CLI call) and in state()'s header, never in this process:
         # Ray would read it only at the first import, which another module may have done already
-        state = functools.partial(_state_list, address)
+        state = _state_lister(address)
         deadline = time.time() + 120
         while len([n for n in state("nodes") if n.state == "ALIVE"]) < 1 + len(WORKER_NODES):
             if time.time() > deadline:
